@@ -1,0 +1,94 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from macroarch.claims import (CLAIMS, CONTRADICTED, GRADES, NOT_REPRODUCED, PARTIALLY, REPRODUCED, Target, Verdict,
+                              combine, get_claim, parse_claim_ids)
+from macroarch.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+CLAIMS_MD = ROOT.parent / "shared" / "CLAIMS.md"
+
+
+def test_registry_matches_claims_md():
+    if not CLAIMS_MD.is_file():
+        pytest.skip(f"{CLAIMS_MD} not present beside the checkout")
+    text = CLAIMS_MD.read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (C\d+|R\d+) \| ([^|]+) \|", text, flags=re.M)
+    assert rows, "no claim rows found in CLAIMS.md"
+    assert [cid for cid, _ in rows] == list(CLAIMS)
+    for cid, section in rows:
+        assert CLAIMS[cid].section == section.strip(), cid
+
+
+def test_every_claim_has_a_notebook_a_statement_and_targets():
+    notebooks = {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
+    for claim in CLAIMS.values():
+        assert claim.statement and claim.measures and claim.targets
+        assert re.fullmatch(r"\d\d_[a-z0-9_]+", claim.notebook)
+        if claim.id == "C4":  # the notebooks that exist so far
+            assert claim.notebook in notebooks
+
+
+@pytest.mark.parametrize("x, grade", [(0.30, REPRODUCED), (0.27, REPRODUCED), (0.15, PARTIALLY), (0.5, PARTIALLY),
+                                      (0.01, NOT_REPRODUCED), (-0.2, CONTRADICTED)])
+def test_range_target_grades(x, grade):
+    t = Target("reduction", "range", lo=0.27, hi=0.35, rel_tol=0.0, null=0.0)
+    assert t.grade(x) == grade
+
+
+def test_at_least_target_with_null_one():
+    t = Target("factor", "at_least", 8.0, rel_tol=0.1, null=1.0)
+    assert t.grade(7.3) == REPRODUCED      # within 10% of 8
+    assert t.grade(20.0) == REPRODUCED
+    assert t.grade(2.0) == PARTIALLY       # lower variance, not 8x
+    assert t.grade(1.05) == NOT_REPRODUCED  # under 10% of the claimed effect (7)
+    assert t.grade(0.2) == CONTRADICTED     # variance went up 5x
+
+
+def test_target_rejects_bad_definitions_and_measurements():
+    with pytest.raises(ValueError, match="kind"):
+        Target("m", "roughly", 1.0)
+    with pytest.raises(ValueError, match="lo <= hi"):
+        Target("m", "range", lo=2, hi=1)
+    with pytest.raises(ValueError, match="finite"):
+        Target("m", "value", 1.0).grade(float("nan"))
+
+
+def test_combine():
+    assert combine([REPRODUCED, REPRODUCED]) == REPRODUCED
+    assert combine([REPRODUCED, NOT_REPRODUCED]) == PARTIALLY
+    assert combine([CONTRADICTED, NOT_REPRODUCED]) == NOT_REPRODUCED
+    assert combine([CONTRADICTED, CONTRADICTED]) == CONTRADICTED
+
+
+def test_c4_rule():
+    c4 = get_claim("C4")
+    # The post's arithmetic: 175e9 params x 8 B; what mixed precision needs: x 16 B.
+    v = c4.grade({"post_accounting_bytes": 175e9 * 8, "mixed_precision_bytes": 175e9 * 16}, scale="175B")
+    assert v.grade == PARTIALLY and "master" in v.note
+    v = c4.grade({"post_accounting_bytes": 175e9 * 8, "mixed_precision_bytes": 175e9 * 8}, scale="175B")
+    assert v.grade == REPRODUCED
+    v = c4.grade({"post_accounting_bytes": 175e9 * 4, "mixed_precision_bytes": 175e9 * 16}, scale="175B")
+    assert v.grade == NOT_REPRODUCED
+    v = c4.grade({"post_accounting_bytes": 1e9, "mixed_precision_bytes": 2e9}, scale="tiny")
+    assert v.grade == CONTRADICTED
+
+
+def test_grade_needs_every_target_metric_and_a_scale():
+    with pytest.raises(KeyError, match="mixed_precision_bytes"):
+        get_claim("C4").grade({"post_accounting_bytes": 1.4e12}, scale="175B")
+    with pytest.raises(ValueError, match="scale"):
+        Verdict(grade=REPRODUCED, measured="1", target="1", scale="")
+    with pytest.raises(ValueError, match="unknown grade"):
+        Verdict(grade="sort of", measured="1", target="1", scale="x")
+    assert set(GRADES) >= {REPRODUCED, PARTIALLY}
+
+
+def test_unknown_claim_ids_are_named():
+    with pytest.raises(ConfigError, match="'C99'"):
+        get_claim("C99")
+    with pytest.raises(ConfigError, match="'C42'"):
+        parse_claim_ids("C4,C42")
+    assert parse_claim_ids("c4, r1") == ["C4", "R1"]
