@@ -217,6 +217,11 @@ class Run:
         if self._wandb is not None:
             with contextlib.suppress(Exception):
                 self._wandb.finish(exit_code=0 if error is None else 1)
+                # finish() returns before wandb-core has written the tail of the .wandb file; teardown
+                # waits for it, so a reader (``macroarch runs``, the paper) never sees a truncated run.
+                import wandb
+
+                wandb.teardown()
             self._wandb = None
         self._flush()
 
@@ -242,7 +247,8 @@ class Run:
                 dir=str(wdir),
                 mode=mode,
                 reinit="create_new",
-                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_code=True,
+                                        disable_job_creation=True),
             )
             self._wandb.define_metric("series/*", step_metric="step")
             self._data["wandb"].update(id=self._wandb.id, dir=str(Path(self._wandb.dir).parent))
