@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,3 +21,48 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return tmp_path
+
+
+RECORDING = '''
+from macroarch.claims import get_claim
+from macroarch.tracking import start_run
+with start_run("C4", profile, {"size": size}) as run:
+    run.summary(post_accounting_bytes=1.4e12 * size, mixed_precision_bytes=2.8e12)
+    run.verdict(get_claim("C4").grade(run.metrics, scale=f"size {size}"))
+'''
+FAILING = '''
+raise RuntimeError("deliberate failure " + profile)
+'''
+
+
+def write_notebook(path, body, params="profile = 'cpu'\nsize = 1"):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cell = nbformat.v4.new_code_cell(params)
+    cell.metadata["tags"] = ["parameters"]
+    nb.cells = [cell, nbformat.v4.new_code_cell(body)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def project(isolated, monkeypatch):
+    """A throw-away project: a recording C4 notebook and a failing one under the registry's stems."""
+    root = isolated / "project"
+    monkeypatch.setenv("MACROARCH_ROOT", str(root))
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B is covered by the tracking tests
+    write_notebook(root / "notebooks" / "02_memory_wall.ipynb", RECORDING)
+    write_notebook(root / "notebooks" / "01_gradient_explosion.ipynb", FAILING)
+    write_profile(root, "ci", [{"notebook": "01_gradient_explosion"},
+                               {"notebook": "02_memory_wall", "parameters": {"size": 1}}])
+    return root
+
+
+def write_profile(root, name, entries):
+    import yaml
+
+    p = root / "papermill_runs" / f"{name}.yaml"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump({"description": "test", "notebooks": entries}))
+
+

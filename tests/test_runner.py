@@ -3,53 +3,14 @@
 import json
 import time
 
-import nbformat
 import pytest
 
 from macroarch import runner
 from macroarch.config import ConfigError
 from macroarch.tracking import read_result, result_path
 
-RECORDING = '''
-from macroarch.claims import get_claim
-from macroarch.tracking import start_run
-with start_run("C4", profile, {"size": size}) as run:
-    run.summary(post_accounting_bytes=1.4e12 * size, mixed_precision_bytes=2.8e12)
-    run.verdict(get_claim("C4").grade(run.metrics, scale=f"size {size}"))
-'''
-FAILING = '''
-raise RuntimeError("deliberate failure " + profile)
-'''
+from conftest import write_notebook as _notebook, write_profile as _profile
 
-
-def _notebook(path, body, params="profile = 'cpu'\nsize = 1"):
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    cell = nbformat.v4.new_code_cell(params)
-    cell.metadata["tags"] = ["parameters"]
-    nb.cells = [cell, nbformat.v4.new_code_cell(body)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
-
-
-@pytest.fixture
-def project(isolated, monkeypatch):
-    root = isolated / "project"
-    monkeypatch.setenv("MACROARCH_ROOT", str(root))
-    monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B is covered by the tracking tests
-    _notebook(root / "notebooks" / "02_memory_wall.ipynb", RECORDING)
-    _notebook(root / "notebooks" / "01_gradient_explosion.ipynb", FAILING)
-    _profile(root, "ci", [{"notebook": "01_gradient_explosion"},
-                          {"notebook": "02_memory_wall", "parameters": {"size": 1}}])
-    return root
-
-
-def _profile(root, name, entries):
-    import yaml
-
-    p = root / "papermill_runs" / f"{name}.yaml"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(yaml.safe_dump({"description": "test", "notebooks": entries}))
 
 
 def test_failure_is_isolated_and_resume_skips_fresh(project, isolated):

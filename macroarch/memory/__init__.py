@@ -1,0 +1,42 @@
+"""Memory accounting: exact analytic byte counts and measured live bytes of a real training step.
+
+``analytic``: parameter counts, precision policies, training-state and activation bytes.
+``measured``: ``measure_training_step`` with MemTracker, on real or fake tensors.
+``master_adamw``: the fp32-master-weight AdamW that the mixed-precision measurements use.
+"""
+
+from macroarch.memory.analytic import (
+    ACTIVATION_TOLERANCE,
+    PRECISIONS,
+    ActivationTerm,
+    PrecisionPolicy,
+    activation_bytes,
+    activation_terms,
+    format_bytes,
+    get_precision,
+    korthikanti_activation_bytes,
+    parameter_count,
+    training_state_bytes,
+)
+from macroarch.memory.master_adamw import MasterWeightAdamW
+from macroarch.memory.measured import CATEGORIES, PHASES, MemoryReport, PhasePeak, measure_training_step
+
+__all__ = [
+    "ACTIVATION_TOLERANCE",
+    "CATEGORIES",
+    "PHASES",
+    "PRECISIONS",
+    "ActivationTerm",
+    "MasterWeightAdamW",
+    "MemoryReport",
+    "PhasePeak",
+    "PrecisionPolicy",
+    "activation_bytes",
+    "activation_terms",
+    "format_bytes",
+    "get_precision",
+    "korthikanti_activation_bytes",
+    "measure_training_step",
+    "parameter_count",
+    "training_state_bytes",
+]

@@ -1,0 +1,11 @@
+"""Named model builders: full-size transformers models for fake tensors, tiny ones to train here.
+
+``MODELS`` maps a name to a ``ModelSpec``; ``spec.build(device="meta")`` (or a build inside
+``FakeTensorMode``) gives the real Hugging Face model without allocating memory, ``spec.shape`` is what
+``macroarch.memory.analytic`` counts bytes from.
+"""
+
+from macroarch.models.registry import MODELS, get_model_spec
+from macroarch.models.spec import ModelSpec, TransformerShape
+
+__all__ = ["MODELS", "ModelSpec", "TransformerShape", "get_model_spec"]
