@@ -1,7 +1,56 @@
 """macroarch: the post's "macro-architecture" built as PyTorch components, and every claim measured.
 
-Subpackages: ``memory`` (byte accounting), ``models`` (named model builders); ``claims``, ``tracking``,
-``runner`` and ``paper`` turn notebooks into results and results into the report.
+- ``claims``: the registry of the post's claims and the rules that grade a measurement;
+- ``tracking``: ``start_run`` writes ``result.json`` and a W&B run (offline by default);
+- ``runner`` / ``paper``: batch execution of the notebooks with papermill, and the report built from results;
+- ``memory``: exact byte accounting, analytic and measured (real or fake tensors);
+- ``models``: named model builders (full-size for fake tensors, tiny to train here).
+
+Names are imported lazily, so ``import macroarch`` (and the CLI) does not pay for torch until it is used.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CLAIMS": "macroarch.claims",
+    "Claim": "macroarch.claims",
+    "Target": "macroarch.claims",
+    "Verdict": "macroarch.claims",
+    "get_claim": "macroarch.claims",
+    "ConfigError": "macroarch.config",
+    "Run": "macroarch.tracking",
+    "start_run": "macroarch.tracking",
+    "read_offline_run": "macroarch.wandb_offline",
+    "find_offline_runs": "macroarch.wandb_offline",
+    "PRECISIONS": "macroarch.memory",
+    "PrecisionPolicy": "macroarch.memory",
+    "MasterWeightAdamW": "macroarch.memory",
+    "activation_bytes": "macroarch.memory",
+    "measure_training_step": "macroarch.memory",
+    "parameter_count": "macroarch.memory",
+    "training_state_bytes": "macroarch.memory",
+    "MODELS": "macroarch.models",
+    "ModelSpec": "macroarch.models",
+    "get_model_spec": "macroarch.models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'macroarch' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

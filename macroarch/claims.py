@@ -175,7 +175,8 @@ class Claim:
         """Grade measured metrics (a mapping that holds every target's metric) into a :class:`Verdict`."""
         missing = [t.metric for t in self.targets if t.metric not in measured]
         if missing:
-            raise KeyError(f"{self.id}: measurement lacks {missing}; the targets need {[t.metric for t in self.targets]}")
+            needed = [t.metric for t in self.targets]
+            raise KeyError(f"{self.id}: measurement lacks {missing}; the targets need {needed}")
         if self.rule is not None:
             grade, why = self.rule(self, measured)
         else:

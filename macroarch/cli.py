@@ -100,12 +100,15 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from macroarch.memory import format_bytes, training_state_bytes
+    from macroarch.memory import format_bytes, parameter_count, training_state_bytes
     from macroarch.models import get_model_spec
 
-    spec = get_model_spec(args.model)
-    n = spec.num_parameters()
-    state = training_state_bytes(spec, args.precision)
+    try:
+        spec = get_model_spec(args.model)
+        state = training_state_bytes(spec, args.precision)
+    except ValueError as e:  # an unknown model or precision: the message names it and lists the known ones
+        raise ConfigError(str(e)) from None
+    n = parameter_count(spec)
     print(f"{spec.name}: {n:,} parameters; precision {args.precision}")
     for k, v in state.items():
         print(f"  {k:<16} {format_bytes(v)}")

@@ -179,7 +179,7 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
 
-    started = _dt.datetime.now(_dt.timezone.utc)
+    started = _dt.datetime.now(_dt.UTC)
     t0 = time.perf_counter()
     try:
         papermill.execute_notebook(
@@ -207,7 +207,7 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
         outcome.status, outcome.error = "failed", message
         return outcome
     write_json_atomic(stamp, {"notebook": job.stem, "params_hash": job.params_hash, "claims": list(job.claims),
-                              "finished": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                              "finished": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                               "seconds": round(seconds, 2)})
     return outcome
 
@@ -247,7 +247,7 @@ def _fail_unfinished_claims(job: NotebookJob, profile: str, out: Path, started: 
             continue
         r["status"] = FAILED
         r["error"] = {"type": "NotebookFailed", "message": f"{job.stem}: {message}", "traceback": ""}
-        r["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        r["finished"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
         write_json_atomic(path, r)
 
 

@@ -8,6 +8,8 @@
         run.figure("bytes_by_category", fig)
         run.verdict(get_claim("C4").grade(metrics, scale=...))
 
+or, across notebook cells, ``run = start_run(...)`` ... ``run.finish()``.
+
 Guarantees, because the paper trusts these files:
 
 - ``papermill_runs/out/<profile>/<claim>/result.json`` is only ever replaced whole (write to a temporary
@@ -36,7 +38,7 @@ import subprocess
 import tempfile
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +196,23 @@ class Run:
         self._flush()
         return verdict
 
+    def finish(self, error: BaseException | None = None) -> None:
+        """Close the run: ``complete`` if a verdict was recorded and no ``error``, ``failed`` otherwise."""
+        if self.finished:
+            return
+        self._finish(error)
+
+    @property
+    def finished(self) -> bool:
+        return self._data["status"] != RUNNING
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.finish(exc)
+        return False
+
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def _start(self) -> None:
@@ -224,6 +243,25 @@ class Run:
                 wandb.teardown()
             self._wandb = None
         self._flush()
+
+    def _watch_ipython(self) -> None:
+        """In IPython, a cell that raises while this run is open finishes it as failed (and closes W&B)."""
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return
+        shell = get_ipython()
+        if shell is None:
+            return
+
+        def _after_cell(result) -> None:
+            if self.finished:
+                shell.events.unregister("post_run_cell", _after_cell)
+            elif result.error_in_exec is not None or result.error_before_exec is not None:
+                self.finish(result.error_in_exec or result.error_before_exec)
+                shell.events.unregister("post_run_cell", _after_cell)
+
+        shell.events.register("post_run_cell", _after_cell)
 
     def _start_wandb(self) -> None:
         mode = wandb_mode()
@@ -276,23 +314,22 @@ class Run:
         write_json_atomic(self.path, self._data)
 
 
-@contextlib.contextmanager
-def start_run(claim: str, profile: str, config: Mapping[str, Any] | None = None) -> Iterator[Run]:
-    """Open a tracked run of ``claim`` under ``profile``; see the module docstring for its guarantees."""
+def start_run(claim: str, profile: str, config: Mapping[str, Any] | None = None) -> Run:
+    """Open a tracked run of ``claim`` under ``profile``; see the module docstring for its guarantees.
+
+    Use it as a context manager, or (across notebook cells) keep the returned run and call
+    :meth:`Run.finish` at the end: inside IPython a cell that raises finishes the run as failed.
+    """
     get_claim(claim)
     check_profile(profile)
     run = Run(claim, profile, config or {}, result_path(claim, profile))
     run._start()
-    try:
-        yield run
-    except BaseException as e:
-        run._finish(e)
-        raise
-    run._finish(None)
+    run._watch_ipython()
+    return run
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def copy_figures(result: Mapping[str, Any], result_dir: Path, dest: Path, prefix: str) -> list[Path]:

@@ -3,8 +3,19 @@ from pathlib import Path
 
 import pytest
 
-from macroarch.claims import (CLAIMS, CONTRADICTED, GRADES, NOT_REPRODUCED, PARTIALLY, REPRODUCED, Target, Verdict,
-                              combine, get_claim, parse_claim_ids)
+from macroarch.claims import (
+    CLAIMS,
+    CONTRADICTED,
+    GRADES,
+    NOT_REPRODUCED,
+    PARTIALLY,
+    REPRODUCED,
+    Target,
+    Verdict,
+    combine,
+    get_claim,
+    parse_claim_ids,
+)
 from macroarch.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

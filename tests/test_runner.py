@@ -5,12 +5,11 @@ import time
 
 import pytest
 
+from conftest import write_notebook as _notebook
+from conftest import write_profile as _profile
 from macroarch import runner
 from macroarch.config import ConfigError
 from macroarch.tracking import read_result, result_path
-
-from conftest import write_notebook as _notebook, write_profile as _profile
-
 
 
 def test_failure_is_isolated_and_resume_skips_fresh(project, isolated):

@@ -56,7 +56,7 @@ def test_raising_run_is_marked_failed_and_reraises(isolated, monkeypatch):
         with start_run("C4", "ci", {}) as run:
             run.summary(x=1)
             run.verdict(_verdict())
-            1 / 0
+            raise ZeroDivisionError("1 / 0")
     r = read_result(result_path("C4", "ci"))
     assert r["status"] == "failed"
     assert r["error"]["type"] == "ZeroDivisionError" and "1 / 0" in r["error"]["traceback"]

@@ -25,7 +25,7 @@ import pytest
 
 wandb = pytest.importorskip("wandb")
 
-from macroarch.wandb_offline import (
+from macroarch.wandb_offline import (  # noqa: E402  (after the importorskip)
     OfflineRun,
     OfflineRunWarning,
     find_offline_runs,
