@@ -186,6 +186,8 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
             str(job.path), str(partial), parameters=job.parameters, kernel_name="python3",
             cwd=str(root), progress_bar=False, log_output=False, execution_timeout=job.timeout,
             report_mode=False,
+            # ipykernel warns on every start that loopback TCP is unencrypted; keep the progress lines clean
+            extra_arguments=["--IPKernelApp.log_level=ERROR"],
         )
     except BaseException as e:  # a failing notebook is an outcome, not a crash of the batch
         seconds = time.perf_counter() - t0
@@ -273,10 +275,10 @@ def reproduce(profile: str = "cpu", *, only: str | None = None, force: bool = Fa
             outcome = JobOutcome(job, "skipped", grades=_grades(job, profile, out))
             echo(f"{head} skipped: up to date ({_grade_text(outcome)})", flush=True)
         else:
-            echo(f"{head} running...", flush=True)
+            echo(f"{head} ... ", end="", flush=True)  # the line is finished when the notebook is
             outcome = execute(job, profile, root, out)
             tail = _grade_text(outcome) if outcome.status == "ok" else outcome.error
-            echo(f"{head} {outcome.status} in {outcome.seconds:.1f}s: {tail}", flush=True)
+            echo(f"{outcome.status} in {outcome.seconds:.1f}s: {tail}", flush=True)
         outcomes.append(outcome)
     echo(summary_table(outcomes, profile), flush=True)
     return outcomes

@@ -13,8 +13,9 @@ from macroarch.tracking import read_result, result_path
 
 
 def test_failure_is_isolated_and_resume_skips_fresh(project, isolated):
-    lines = []
-    outcomes = runner.reproduce("ci", echo=lambda *a, **k: lines.append(a[0]))
+    printed = []
+    outcomes = runner.reproduce("ci", echo=lambda text, end="\n", **k: printed.append(text + end))
+    lines = "".join(printed).splitlines()
     assert [o.status for o in outcomes] == ["failed", "ok"]
     assert "deliberate failure ci" in outcomes[0].error
     out = isolated / "out" / "ci"
@@ -25,8 +26,9 @@ def test_failure_is_isolated_and_resume_skips_fresh(project, isolated):
         r = read_result(result_path(claim, "ci"))
         assert r["status"] == "failed" and "deliberate failure" in r["error"]["message"]
     assert read_result(result_path("C4", "ci"))["status"] == "complete"
-    assert lines[0].startswith("[1/2] 01_gradient_explosion") and "running" in lines[0]
-    assert "1 ran, 0 skipped, 1 failed" in lines[-1]
+    assert lines[0].startswith("[1/2] 01_gradient_explosion") and "failed in" in lines[0]
+    assert lines[1].startswith("[2/2] 02_memory_wall") and "ok in" in lines[1] and "C4 partially" in lines[1]
+    assert "1 ran, 0 skipped, 1 failed" in "".join(printed)
 
     before = (out / "02_memory_wall.ipynb").stat().st_mtime
     outcomes = runner.reproduce("ci", echo=lambda *a, **k: None)

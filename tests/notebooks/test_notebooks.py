@@ -2,7 +2,7 @@
 
 import pytest
 
-from macroarch import runner
+from macroarch import paper, runner
 from macroarch.claims import GRADES
 from macroarch.tracking import read_result, result_path
 
@@ -23,3 +23,13 @@ def test_notebook_runs_under_ci_profile(job, isolated):
         for name in r["figures"]:
             assert (result_path(claim, "ci").parent / f"{name}.png").stat().st_size > 1000
         assert r["wandb"]["mode"] == "offline" and r["wandb"]["error"] is None
+
+    # The paper built from the result files and from the W&B offline runs read back is the same.
+    a = paper.build("ci", source="results", paper_dir=isolated / "paper_results")
+    b = paper.build("ci", source="wandb", paper_dir=isolated / "paper_wandb")
+    assert (a / "claims.md").read_text() == (b / "claims.md").read_text()
+    for claim in job.claims:
+        assert f"| {claim} |" in (a / "claims.md").read_text()
+        assert paper.NOT_MEASURED not in next(line for line in (a / "claims.md").read_text().splitlines()
+                                              if line.startswith(f"| {claim} |"))
+    assert sorted(p.name for p in (a / "figures").iterdir()) == sorted(p.name for p in (b / "figures").iterdir())
