@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from macroarch._table import format_table
 from macroarch.config import PROFILES, ConfigError
 
 
@@ -32,16 +33,6 @@ def _cmd_paper(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(rows: list[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for j, r in enumerate(rows):
-        out.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-        if j == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def _cmd_claims(args: argparse.Namespace) -> int:
     from macroarch.claims import CLAIMS
     from macroarch.tracking import read_result, result_path
@@ -59,7 +50,7 @@ def _cmd_claims(args: argparse.Namespace) -> int:
                           else r.get("status", "?"))
         target = c.target_text if len(c.target_text) <= 48 else c.target_text[:45] + "..."
         rows.append((cid, c.section, c.notebook, target, *grades))
-    print(_table(rows))
+    print(format_table(rows))
     return 0
 
 
@@ -82,7 +73,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
             rows.append((cid, profile, r.get("status", "?"), (r.get("verdict") or {}).get("grade", "-"),
                          r.get("finished") or "-", f"{w.get('mode') or '-'} {w.get('id') or ''}".strip()))
     print(f"results in {out_root()}:")
-    print(_table(rows) if len(rows) > 1 else "  (none)")
+    print(format_table(rows) if len(rows) > 1 else "  (none)")
 
     runs = find_offline_runs(wandb_root())
     wrows = [("run", "claim", "profile", "status", "verdict", "exit", "started", "directory")]
@@ -95,7 +86,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                       "-" if run.exit_code is None else str(run.exit_code),
                       run.started.isoformat(timespec="seconds") if run.started else "-", run.directory.name))
     print(f"\nW&B offline runs in {wandb_root() / 'wandb'} (upload with `wandb sync <directory>`):")
-    print(_table(wrows) if len(wrows) > 1 else "  (none)")
+    print(format_table(wrows) if len(wrows) > 1 else "  (none)")
     return 0
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from macroarch._table import format_table
 from macroarch.claims import CLAIMS, parse_claim_ids
 from macroarch.config import ConfigError, check_keys, check_profile, load_yaml, out_root, project_root
 from macroarch.tracking import COMPLETE, FAILED, read_result, result_path, write_json_atomic
@@ -292,15 +293,10 @@ def summary_table(outcomes: Sequence[JobOutcome], profile: str) -> str:
     rows = [("notebook", "status", "time", "claims")]
     for o in outcomes:
         rows.append((o.job.stem, o.status, f"{o.seconds:.1f}s" if o.status != "skipped" else "-", _grade_text(o)))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [f"\nprofile {profile}: {sum(o.status == 'ok' for o in outcomes)} ran, "
-             f"{sum(o.status == 'skipped' for o in outcomes)} skipped, "
-             f"{sum(o.status == 'failed' for o in outcomes)} failed"]
-    for j, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    header = (f"\nprofile {profile}: {sum(o.status == 'ok' for o in outcomes)} ran, "
+              f"{sum(o.status == 'skipped' for o in outcomes)} skipped, "
+              f"{sum(o.status == 'failed' for o in outcomes)} failed")
+    return header + "\n" + format_table(rows)
 
 
 __all__ = ["NotebookJob", "JobOutcome", "load_profile", "select", "is_fresh", "execute", "reproduce",

@@ -33,7 +33,6 @@ import datetime as _dt
 import json
 import math
 import os
-import shutil
 import subprocess
 import tempfile
 import traceback
@@ -118,7 +117,8 @@ def wandb_mode() -> str:
 
 
 class Run:
-    """What ``start_run`` yields. Every method writes the result file through, so progress is visible."""
+    """What ``start_run`` returns. ``summary``, ``figure`` and ``verdict`` write the result file through
+    (``log`` is written with them and at the end), so a long run's progress is visible on disk."""
 
     def __init__(self, claim: str, profile: str, config: Mapping[str, Any], path: Path) -> None:
         self.claim, self.profile, self.path = claim, profile, path
@@ -330,16 +330,3 @@ def start_run(claim: str, profile: str, config: Mapping[str, Any] | None = None)
 
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-
-
-def copy_figures(result: Mapping[str, Any], result_dir: Path, dest: Path, prefix: str) -> list[Path]:
-    """Copy a result's figures to ``dest/<prefix>_<name>.png``; returns the paths written."""
-    dest.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in result.get("figures", []):
-        src = result_dir / f"{name}.png"
-        if src.is_file():
-            target = dest / f"{prefix}_{name}.png"
-            shutil.copyfile(src, target)
-            written.append(target)
-    return written
