@@ -112,10 +112,12 @@ def claims_table(results: Mapping[str, ClaimResult], profile: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _metric_value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
+def _metric_value(name: str, v: Any) -> str:
+    """Numbers as recorded; byte counts (metrics named ``*_bytes``) also in decimal GB, as the post counts."""
+    text = f"{v:.6g}" if isinstance(v, float) else str(v)
+    if name.endswith("_bytes") and isinstance(v, (int, float)) and abs(v) >= 1e6:
+        text += f" ({v / 1e9:,.2f} GB)"
+    return text
 
 
 def report(results: Mapping[str, ClaimResult], profile: str, figure_names: Mapping[str, list[str]],
@@ -147,7 +149,7 @@ def report(results: Mapping[str, ClaimResult], profile: str, figure_names: Mappi
             lines += [f"![{cid} {name}](figures/{cid}_{name}.png)", ""]
         if r.metrics:
             lines += ["| metric | value |", "|---|---|"]
-            lines += [f"| {k} | {_metric_value(r.metrics[k])} |" for k in sorted(r.metrics)]
+            lines += [f"| {k} | {_metric_value(k, r.metrics[k])} |" for k in sorted(r.metrics)]
             lines.append("")
     pending = [c for c in CLAIMS if c not in results]
     if pending:
