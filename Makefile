@@ -27,7 +27,7 @@ paper: $(STAMP)
 	$(BIN)/macroarch paper --profile $(PROFILE)
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check macroarch tests benchmarks data_scripts

@@ -242,7 +242,9 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in (
        "27-35% and slows convergence.", "01_gradient_explosion",
        "1 - mean ||clipped update|| / ||unclipped update|| on identical gradient streams; steps to a target loss",
        Target("effective_lr_reduction", "range", lo=0.27, hi=0.35, rel_tol=0.0, null=0.0,
-              text="effective LR reduction 27-35%")),
+              text="effective LR reduction 27-35% (AdamW, clip at 1.0)"),
+       Target("convergence_slowdown", "at_least", 1.1, rel_tol=0.0, null=1.0,
+              text="slower convergence (steps to target, clipped / unclipped >= 1.1)")),
     _c("C4", "2.2", "GPT-3 175B needs 350 GB of fp16 weights + 350 GB of gradients + 700 GB of Adam state = 1.4 TB, "
        "far beyond one 80 GB card.", "02_memory_wall",
        "exact bytes of the real 175B architecture under the post's accounting and under standard mixed "
