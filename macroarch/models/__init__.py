@@ -5,7 +5,26 @@
 ``macroarch.memory.analytic`` counts bytes from.
 """
 
+from macroarch.models.bert import (
+    BERT_LARGE_VOCAB,
+    bert_large_config,
+    bert_small_config,
+    build_bert_mlm,
+    count_parameters,
+    mlm_loss,
+)
 from macroarch.models.registry import MODELS, get_model_spec
 from macroarch.models.spec import ModelSpec, TransformerShape
 
-__all__ = ["MODELS", "ModelSpec", "TransformerShape", "get_model_spec"]
+__all__ = [
+    "BERT_LARGE_VOCAB",
+    "MODELS",
+    "ModelSpec",
+    "TransformerShape",
+    "bert_large_config",
+    "bert_small_config",
+    "build_bert_mlm",
+    "count_parameters",
+    "get_model_spec",
+    "mlm_loss",
+]
