@@ -14,8 +14,9 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    """Results, W&B offline runs and the project root all under ``tmp_path`` (env, so kernels inherit it)."""
+    """Results, data, W&B offline runs all under ``tmp_path`` (set in the environment, so kernels inherit it)."""
     monkeypatch.setenv("MACROARCH_OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("MACROARCH_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

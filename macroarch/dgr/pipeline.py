@@ -1,0 +1,399 @@
+"""Per-group updates scheduled during backward (post section 3.1, DGR's interleaved group updates).
+
+``DGROptimizer`` puts a ``Tensor.register_post_accumulate_grad_hook`` on every parameter of a ``Grouping``
+(``macroarch.dgr.grouping``). When the last gradient of a group has been accumulated, the group is updated
+right away, while backward carries on with the layers below:
+
+- ``mode="sync"``: the group's optimizer steps at once and its gradients are released (set to None), so
+  peak gradient memory is about the largest group plus the tensor in flight, not the whole model. The
+  result equals ordinary training exactly: a group completes only after every node that reads its
+  parameters has run, so updating it in place cannot change what backward computes below it. The total
+  peak falls only where gradients are part of it: when activations dominate, it is at the end of forward.
+- ``mode="interleaved"``: group g's gradient is applied ``delays[g]`` optimizer steps later, as a pipeline
+  whose groups run asynchronously would apply it (default: g's index in backward order, so the output side
+  is fresh and the input side most stale, as in PipeDream). Each gradient is queued with a copy of the
+  group's weights at the time it was computed (``w_then``); when it comes due, the ``GradientCompensator``
+  (DC-ASGD, ``macroarch.dgr.compensation``) corrects it with ``w_now - w_then``, or it is applied as it is
+  when no compensator is given. Memory: group g holds ``delays[g]`` gradients and weight copies, i.e.
+  ``2 * delays[g]`` times its parameter bytes; with the default delays and G equal groups that is about
+  ``G - 1`` times the model. For the first ``delays[g]`` steps group g applies nothing (pipeline fill).
+  ``delays[g] == 0`` is the sync update.
+
+Optimizer structure: one instance of the user's optimizer class per group (so a group steps alone, with any
+``torch.optim.Optimizer``), all sharing this object's ``state`` dict, and whose single param group *is*
+``self.param_groups[g]``: LR schedulers, ``state_dict()`` and ``load_state_dict()`` are torch's own, over one
+param group per DGR group. ``param_groups[g]["max_grad_norm"]`` is the group's clipping norm.
+
+Gradient accumulation (``accumulation_steps=k``): only the k-th backward since the last ``step()`` updates;
+before it, gradients accumulate in ``.grad`` as usual and ``step()``/``zero_grad()`` do nothing, so a plain
+``loss.backward(); opt.step(); opt.zero_grad()`` loop accumulates unchanged. A backward after the k-th
+without a ``step()`` raises. ``step()`` updates whatever backward did not (groups that were not complete:
+unused or partly used parameters, or gradients set by hand) and returns the closure's loss.
+
+Clipping: global-norm clipping needs every gradient before the first update, which is exactly what updating
+during backward gives up; so clipping is per group (``clip_mode="per_group"``): each group's gradient, as
+backward produced it (in interleaved mode before it is queued), is clipped with ``clip_grad_norm_`` to its
+group's ``max_grad_norm``.
+
+Failure safety (``atomic_steps=True``): before a group steps, its parameters, optimizer state and
+compensator state are copied (three times the group's bytes for AdamW: memory for one group, and copy
+time for the whole model every step; ``atomic_steps=False`` skips it); if the
+step raises, all are restored, the delay queue is left as it was, ``.grad`` keeps the gradient it held
+(clipped, if clipping is on), and a RuntimeError naming the group is raised from the original error (out of
+``loss.backward()`` when it happened there). Groups updated earlier in the same backward keep their update.
+
+Sources: updating inside backward with post-accumulate-grad hooks is the technique of PyTorch's tutorial
+"How to save memory by fusing the optimizer step into the backward pass"; the per-stage staleness is that
+of PipeDream (Narayanan et al. 2019, SOSP); the compensation is DC-ASGD (Zheng et al. 2017, ICML).
+
+Deviations from the post: it describes asynchronous updates on GPU streams; here updates run on the
+backward thread, in order, and "interleaved" is the staleness such a pipeline would have, simulated
+exactly. Backward is assumed to run on one thread (CPU, or one GPU); hooks registered on the same tensors
+after DGR's still see the gradient: a group's gradients are released when the next gradient arrives or
+backward ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import math
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from macroarch.dgr.compensation import GradientCompensator
+from macroarch.dgr.grouping import Grouping
+
+MODES = ("sync", "interleaved")
+CLIP_MODES = ("per_group",)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How DGR schedules group updates.
+
+    Attributes:
+        mode: ``"sync"`` (update each group as soon as its gradient is complete) or ``"interleaved"``
+            (apply it ``delays[g]`` steps later, compensated).
+        delays: interleaved only: one int for every group, one per group, or None for the group's index in
+            backward order.
+        accumulation_steps: backward passes per update (gradient accumulation), >= 1.
+        max_grad_norm: per-group clipping norm: None (no clipping), one number for every group, or one per
+            group (None entries skip that group).
+        clip_mode: only ``"per_group"``; global-norm clipping cannot be done before backward ends.
+        atomic_steps: copy a group's parameters and optimizer state before it steps and restore them if the
+            step raises.
+    """
+
+    mode: str = "sync"
+    delays: int | tuple[int, ...] | None = None
+    accumulation_steps: int = 1
+    max_grad_norm: float | tuple[float | None, ...] | None = None
+    clip_mode: str = "per_group"
+    atomic_steps: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not a DGR mode; use one of {MODES}")
+        if self.delays is not None:
+            if self.mode != "interleaved":
+                raise ValueError(f"delays={self.delays!r} only applies to mode='interleaved' (mode={self.mode!r})")
+            many = not isinstance(self.delays, int)
+            delays = tuple(self.delays) if many else (self.delays,)
+            if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in delays):
+                raise ValueError(f"delays={self.delays!r} must be an int >= 0 or a sequence of them")
+            object.__setattr__(self, "delays", delays if many else self.delays)
+        k = self.accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"accumulation_steps={k!r} must be a positive int")
+        if self.max_grad_norm is not None:
+            many = isinstance(self.max_grad_norm, Sequence)
+            norms = tuple(self.max_grad_norm) if many else (self.max_grad_norm,)
+            if any(n is not None and (isinstance(n, bool) or not isinstance(n, int | float) or not
+                                      (math.isfinite(n) and n > 0)) for n in norms):
+                raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number, None, or a "
+                                 "sequence of them (one per group)")
+            object.__setattr__(self, "max_grad_norm", norms if many else self.max_grad_norm)
+        if self.clip_mode != "per_group":
+            raise ValueError(f"clip_mode={self.clip_mode!r} is not supported; use one of {CLIP_MODES}: DGR updates "
+                             "groups during backward, before the global gradient norm is known")
+        if not isinstance(self.atomic_steps, bool):
+            raise ValueError(f"atomic_steps={self.atomic_steps!r} must be True or False")
+
+    def per_group(self, name: str, n_groups: int) -> tuple[Any, ...]:
+        """``delays`` or ``max_grad_norm`` expanded to one value per group (checked against ``n_groups``)."""
+        value = getattr(self, name)
+        if name == "delays" and value is None:
+            return tuple(range(n_groups)) if self.mode == "interleaved" else (0,) * n_groups
+        if not isinstance(value, tuple):
+            return (value,) * n_groups
+        if len(value) != n_groups:
+            raise ValueError(f"{name} has {len(value)} entries but the grouping has {n_groups} groups")
+        return value
+
+
+def _on_grad_ready(ref: weakref.ref, param: torch.Tensor) -> None:
+    optimizer = ref()  # a weak reference: hooks must not keep a discarded optimizer alive, nor call it
+    if optimizer is not None:
+        optimizer._grad_ready(param)
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+class DGROptimizer(torch.optim.Optimizer):
+    """Updates each DGR group during backward (module docstring); a ``torch.optim.Optimizer``.
+
+    Args:
+        grouping: the groups (``build_groups`` / ``group_parameters``).
+        optimizer_cls: an optimizer class or factory, called once per group as
+            ``optimizer_cls([{"params": group_params}], **optimizer_kwargs)``; must return a
+            ``torch.optim.Optimizer`` with one param group.
+        config: the schedule; default ``PipelineConfig()`` (sync).
+        compensator: interleaved only: corrects delayed gradients; None applies them as they are.
+        **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``).
+    """
+
+    def __init__(self, grouping: Grouping, optimizer_cls: Callable[..., torch.optim.Optimizer],
+                 config: PipelineConfig | None = None, compensator: GradientCompensator | None = None,
+                 **optimizer_kwargs: Any) -> None:
+        config = PipelineConfig() if config is None else config
+        if not isinstance(grouping, Grouping):
+            raise ValueError(f"grouping={grouping!r} must be a Grouping (from build_groups or group_parameters)")
+        if compensator is not None and config.mode != "interleaved":
+            raise ValueError(f"compensator={compensator!r} only applies to mode='interleaved' (mode={config.mode!r})")
+        if not callable(optimizer_cls):
+            raise ValueError(f"optimizer_cls={optimizer_cls!r} must be an optimizer class or factory")
+        name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+        norms = config.per_group("max_grad_norm", len(grouping))
+        self._delays = config.per_group("delays", len(grouping))
+        self._inner: list[torch.optim.Optimizer] = []
+        for group in grouping:
+            try:
+                inner = optimizer_cls([{"params": list(group.params)}], **optimizer_kwargs)
+            except Exception as exc:
+                raise ValueError(f"optimizer_cls {name} failed to build the optimizer of DGR group {group.index} "
+                                 f"({group.label}): {type(exc).__name__}: {exc}") from exc
+            if not isinstance(inner, torch.optim.Optimizer) or len(inner.param_groups) != 1:
+                raise ValueError(f"optimizer_cls {name} must return a torch.optim.Optimizer with one param group, "
+                                 f"got {type(inner).__name__} for DGR group {group.index}")
+            inner.param_groups[0]["max_grad_norm"] = norms[group.index]
+            self._inner.append(inner)
+        self._building = True
+        super().__init__([inner.param_groups[0] for inner in self._inner],
+                         {**self._inner[0].defaults, "max_grad_norm": None})
+        self._building = False
+        self._relink()
+        self.grouping, self.config, self.compensator = grouping, config, compensator
+        self._group_of = {p: group.index for group in grouping for p in group.params}
+        self._pending: list[collections.deque] = [collections.deque() for _ in grouping]  # (grads, w_then)
+        self._micro = 0  # backward passes completed since the last update
+        self._done: set[int] = set()  # groups updated in the current update
+        self._arrived: list[set[torch.Tensor]] = [set() for _ in grouping]
+        self._release: list[torch.Tensor] = []  # parameters whose gradients are freed at the next arrival
+        self._task = -1  # the graph task (backward pass) the hooks last saw
+        self._suspended = False
+        ref = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: _on_grad_ready(ref, p))
+                         for p in self._group_of]
+        self._finalizer = weakref.finalize(self, _remove, self._handles)
+
+    # ------------------------------------------------------------------------------- torch.optim API
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not self._building:
+            raise NotImplementedError("DGROptimizer's param groups are the DGR groups; rebuild the grouping and "
+                                      "the optimizer to train more parameters")
+        super().add_param_group(param_group)
+
+    def _relink(self) -> None:
+        """Point each per-group optimizer at its param group here and at the shared state."""
+        for inner, group in zip(self._inner, self.param_groups):
+            inner.param_groups = [group]
+            inner.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update the groups backward left (all of them if no hooked backward ran); no-op while accumulating."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if 0 < self._micro < self.config.accumulation_steps:
+            return loss
+        self._free_released()
+        for index in range(len(self._inner)):
+            if index not in self._done:
+                self._update(index)
+        self._free_released()
+        self._done.clear()
+        self._micro = 0
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients, except between the backward passes of one accumulation."""
+        if 0 < self._micro < self.config.accumulation_steps:
+            return
+        self._free_released()
+        super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict plus ``"dgr"``: the delay queues, the compensator, the step counters."""
+        state = super().state_dict()
+        state["dgr"] = {
+            "delays": list(self._delays),
+            "micro_step": self._micro,
+            "done": sorted(self._done),
+            "pending": [[{"grads": grads, "w_then": w_then} for grads, w_then in queue] for queue in self._pending],
+            "compensator": None if self.compensator is None else self.compensator.state_dict(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        dgr = state_dict.pop("dgr", None)
+        if dgr is not None:
+            if list(dgr["delays"]) != list(self._delays) or len(dgr["pending"]) != len(self._pending):
+                raise ValueError(f"state_dict was saved with delays {dgr['delays']}; this optimizer has "
+                                 f"{list(self._delays)}: build it with the same grouping and delays")
+            if (dgr["compensator"] is None) != (self.compensator is None):
+                raise ValueError("state_dict and this optimizer disagree on having a compensator")
+        super().load_state_dict(state_dict)
+        self._relink()
+        if dgr is None:
+            return
+        self._micro, self._done = int(dgr["micro_step"]), set(dgr["done"])
+        for index, (queue, saved) in enumerate(zip(self._pending, dgr["pending"])):
+            params = self.grouping.groups[index].params
+            queue.clear()
+            for entry in saved:
+                queue.append(([None if g is None else g.detach().to(p.device, copy=True)
+                               for g, p in zip(entry["grads"], params)],
+                              [w.detach().to(p.device, copy=True) for w, p in zip(entry["w_then"], params)]))
+        if self.compensator is not None:
+            self.compensator.load_state_dict(dgr["compensator"])
+
+    # ------------------------------------------------------------------------------------ DGR API
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (for measurements: nothing is updated)."""
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
+
+    def close(self) -> None:
+        """Remove the hooks; the optimizer then steps only through ``step()``."""
+        _remove(self._handles)
+
+    # ---------------------------------------------------------------------------------- scheduling
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._suspended:
+            return
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # the first gradient of a new backward pass
+            self._task = task
+            if self._micro >= self.config.accumulation_steps:
+                raise RuntimeError(
+                    f"DGR: backward pass {self._micro + 1} since the last update with accumulation_steps="
+                    f"{self.config.accumulation_steps}; call opt.step() (and opt.zero_grad()) after every "
+                    f"{self.config.accumulation_steps}th backward, or use opt.suspended() for extra passes"
+                )
+            self._arrived = [set() for _ in self._inner]
+            self._done.clear()  # left over only if an earlier backward was aborted before step()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        self._free_released()
+        if self._micro + 1 < self.config.accumulation_steps:
+            return
+        index = self._group_of[param]
+        arrived = self._arrived[index]
+        arrived.add(param)
+        if len(arrived) == len(self.param_groups[index]["params"]) and index not in self._done:
+            with torch.no_grad():
+                self._update(index)
+
+    def _backward_done(self) -> None:
+        self._micro += 1
+        self._free_released()
+
+    def _free_released(self) -> None:
+        for p in self._release:
+            p.grad = None
+        self._release.clear()
+
+    def _update(self, index: int) -> None:
+        """Clip, (delay and compensate,) and step group ``index``; all-or-nothing when ``atomic_steps``."""
+        group = self.grouping.groups[index]
+        params, inner = group.params, self._inner[index]
+        fresh = [p.grad for p in params]
+        if all(g is None for g in fresh):
+            return
+        max_norm = self.param_groups[index]["max_grad_norm"]
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+        delay, queue = self._delays[index], self._pending[index]
+        # The weights this gradient was computed at: the group has not moved since this step's forward.
+        entry = (fresh, [p.detach().clone() for p in params]) if delay else None
+        if delay and len(queue) < delay:  # pipeline fill: nothing is due yet
+            queue.append(entry)
+            self._finish(index, params)
+            return
+        saved = self._snapshot(index) if self.config.atomic_steps else None
+        try:
+            if delay:
+                stale, w_then = queue[0]
+                due = stale if self.compensator is None else self.compensator(group.names, stale, params, w_then)
+                for p, g in zip(params, due):
+                    p.grad = g
+            inner.step()
+        except Exception as exc:
+            if saved is not None:
+                self._restore(index, saved)
+            for p, g in zip(params, fresh):
+                p.grad = g
+            outcome = ("its parameters and optimizer state were restored" if saved is not None else
+                       "atomic_steps=False, so its parameters may be partly updated")
+            raise RuntimeError(f"DGR group {index} ({group.label}): {type(inner).__name__}.step() raised "
+                               f"{type(exc).__name__}: {exc}; {outcome}") from exc
+        if delay:
+            queue.popleft()
+            queue.append(entry)
+        self._finish(index, params)
+
+    def _finish(self, index: int, params: Sequence[torch.Tensor]) -> None:
+        self._done.add(index)
+        self._release.extend(params)  # freed at the next arrival, after later hooks on these tensors ran
+
+    def _snapshot(self, index: int) -> tuple[Any, ...]:
+        group = self.grouping.groups[index]
+        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                     for k, v in self.state[p].items()} for p in group.params if p in self.state}
+        options = {k: v for k, v in self.param_groups[index].items() if k != "params"}
+        meansquare = None if self.compensator is None else {n: self.compensator.meansquare.get(n) for n in group.names}
+        return [p.detach().clone() for p in group.params], state, options, meansquare
+
+    def _restore(self, index: int, saved: tuple[Any, ...]) -> None:
+        values, state, options, meansquare = saved
+        params = self.grouping.groups[index].params
+        with torch.no_grad():
+            for p, value in zip(params, values):
+                p.copy_(value)
+        for p in params:
+            if p in state:
+                self.state[p] = state[p]
+            else:
+                self.state.pop(p, None)
+        self.param_groups[index].update(options)
+        for name, value in (meansquare or {}).items():
+            if value is None:
+                self.compensator.meansquare.pop(name, None)
+            else:
+                self.compensator.meansquare[name] = value
