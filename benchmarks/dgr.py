@@ -25,8 +25,7 @@ import time
 import torch
 
 from macroarch.dgr import DGRWrapper
-from macroarch.memory import format_bytes
-from macroarch.memory.measured import _CategoryTracker
+from macroarch.memory import format_bytes, measure_step
 from macroarch.models import MODELS, get_model_spec
 
 
@@ -44,18 +43,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: to
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def tracked_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> _CategoryTracker:
-    tracker = _CategoryTracker()
-    tracker.track_external(model, optimizer, ids)
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            tracker.label(value, "optimizer_state" if key in ("exp_avg", "exp_avg_sq") else "other")
-    tracker.start_phase("setup")
-    with tracker:
-        train_step(model, optimizer, ids)
-    return tracker
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,11 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_memory:
         return
     batch = torch.randint(0, 256, (args.batch_size, args.seq_len))
-    mem_plain, mem_dgr = tracked_step(plain, opt_plain, batch), tracked_step(dgr, opt_dgr, batch)
+    mem_plain = measure_step(lambda: train_step(plain, opt_plain, batch), plain, opt_plain, batch)
+    mem_dgr = measure_step(lambda: train_step(dgr, opt_dgr, batch), dgr, opt_dgr, batch)
     rows = [("gradients (max)", mem_plain.max_by_category["gradients"], mem_dgr.max_by_category["gradients"]),
-            ("total (peak)", mem_plain.peak.peak_bytes, mem_dgr.peak.peak_bytes)]
+            ("total (peak)", mem_plain.peak_bytes, mem_dgr.peak_bytes)]
     for category in ("parameters", "optimizer_state", "activations", "temporaries", "gradients"):
-        rows.append((f"  {category} at peak", mem_plain.peak.by_category[category], mem_dgr.peak.by_category[category]))
+        rows.append((f"  {category} at peak", mem_plain.by_category[category], mem_dgr.by_category[category]))
     print(f"{'memory':<28}{'plain':>14}{'DGR-sync':>14}{'plain/DGR':>12}")
     for label, a, b in rows:
         ratio = f"{a / b:.2f}x" if b else "-"

@@ -4,7 +4,10 @@
 - ``tracking``: ``start_run`` writes ``result.json`` and a W&B run (offline by default);
 - ``runner`` / ``paper``: batch execution of the notebooks with papermill, and the report built from results;
 - ``memory``: exact byte accounting, analytic and measured (real or fake tensors);
-- ``models``: named model builders (full-size for fake tensors, tiny to train here).
+- ``models``: named model builders (full-size for fake tensors, tiny to train here; BERT masked-LM);
+- ``analysis``: gradient norms through depth, variance estimators, the clipping probe, HC/mHC blocks;
+- ``dgr``: DGR, the post's dynamic graph reorganisation (groups, in-backward updates, delay compensation);
+- ``data``: the local byte-level text corpus and its batches.
 
 Names are imported lazily, so ``import macroarch`` (and the CLI) does not pay for torch until it is used.
 """
@@ -34,9 +37,20 @@ _EXPORTS = {
     "measure_training_step": "macroarch.memory",
     "parameter_count": "macroarch.memory",
     "training_state_bytes": "macroarch.memory",
+    "measure_step": "macroarch.memory",
     "MODELS": "macroarch.models",
     "ModelSpec": "macroarch.models",
     "get_model_spec": "macroarch.models",
+    "build_bert_mlm": "macroarch.models",
+    "GradientNormRecorder": "macroarch.analysis",
+    "ClippingProbe": "macroarch.analysis",
+    "HCTransformerLM": "macroarch.analysis",
+    "composite_gain": "macroarch.analysis",
+    "minibatch_gradient_variance": "macroarch.analysis",
+    "DGRWrapper": "macroarch.dgr",
+    "GradientCompensator": "macroarch.dgr",
+    "ensure_corpus": "macroarch.data",
+    "load_corpus": "macroarch.data",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,8 @@
 """Memory accounting: exact analytic byte counts and measured live bytes of a real training step.
 
 ``analytic``: parameter counts, precision policies, training-state and activation bytes.
-``measured``: ``measure_training_step`` with MemTracker, on real or fake tensors.
+``measured``: ``measure_training_step`` with MemTracker, on real or fake tensors; ``measure_step`` for
+any user-written step.
 ``master_adamw``: the fp32-master-weight AdamW that the mixed-precision measurements use.
 """
 
@@ -19,7 +20,15 @@ from macroarch.memory.analytic import (
     training_state_bytes,
 )
 from macroarch.memory.master_adamw import MasterWeightAdamW
-from macroarch.memory.measured import CATEGORIES, PHASES, MemoryReport, PhasePeak, measure_training_step
+from macroarch.memory.measured import (
+    CATEGORIES,
+    PHASES,
+    MemoryReport,
+    PhasePeak,
+    StepMemory,
+    measure_step,
+    measure_training_step,
+)
 
 __all__ = [
     "ACTIVATION_TOLERANCE",
@@ -31,11 +40,13 @@ __all__ = [
     "MemoryReport",
     "PhasePeak",
     "PrecisionPolicy",
+    "StepMemory",
     "activation_bytes",
     "activation_terms",
     "format_bytes",
     "get_precision",
     "korthikanti_activation_bytes",
+    "measure_step",
     "measure_training_step",
     "parameter_count",
     "training_state_bytes",

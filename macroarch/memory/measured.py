@@ -320,3 +320,37 @@ def measure_training_step(
         end_of_forward=end_of_forward,
         seconds=seconds,
     )
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Live tensor bytes over one user-defined training step (see ``measure_step``)."""
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    max_by_category: dict[str, int]
+    seconds: float
+
+
+def measure_step(step: Callable[[], Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 *inputs: Any) -> StepMemory:
+    """Peak live bytes, by category, of ``step()``: any training step of ``model`` with ``optimizer``.
+
+    For loops that ``measure_training_step`` does not build itself (a DGR optimizer stepping groups during
+    backward, a probe, a custom schedule). ``model``, ``optimizer`` and ``inputs`` are tracked from before
+    the step, so their bytes count from the start; Adam's ``exp_avg``/``exp_avg_sq`` are filed as optimizer
+    state. Gradients are the tensors MemTracker sees accumulated into ``.grad``.
+    """
+    tracker = _CategoryTracker()
+    tracker.track_external(model, optimizer, *inputs)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tracker.label(value, "optimizer_state" if key in ("exp_avg", "exp_avg_sq") else "other")
+    tracker.start_phase("setup")
+    start = time.perf_counter()
+    with tracker:
+        tracker.start_phase("step")
+        step()
+    return StepMemory(peak_bytes=tracker.peak.peak_bytes, by_category=dict(tracker.peak.by_category),
+                      max_by_category=dict(tracker.max_by_category), seconds=time.perf_counter() - start)
