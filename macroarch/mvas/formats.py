@@ -1,0 +1,300 @@
+"""Storage formats for MVAS (post section 3.2: "key parameters FP16, secondary FP8 or even FP4"), with real bytes.
+
+A tensor is packed into a :class:`PackedTensor` whose payload really occupies the format's width: fp8 is a
+``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensor (one byte per element), fp4 e2m1 is a ``uint8`` tensor
+holding two 4-bit codes per byte, bf16/fp16 are plain casts. ``nbytes`` counts everything held.
+
+- **Block scales** (OCP Microscaling (MX) spec v1.0; torchao's low-bit optimizers store their state the same
+  way): the flattened tensor is cut into contiguous blocks of ``block_size`` elements and each block gets
+  ``scale = absmax / max_normal``, so the block's largest magnitude maps onto the format's largest normal
+  value. Scales are stored in **float32** (4 bytes per block, counted in ``nbytes``). Deviation from MX: MX
+  uses power-of-two E8M0 scales (1 byte); an fp32 scale costs more (fp8 with blocks of 32 takes
+  1.125 bytes per element, MX 1.03125) but uses the whole range of the format. Blocks of 128 bring the
+  overhead down to 1/32 byte per element. ``block_size=None`` (or -1) means one scale for the whole tensor.
+  A ``numel`` that ``block_size`` does not divide is an error (no padding). bf16, fp16 and fp32 carry no
+  scales; ``block_size`` is accepted and ignored for them.
+- **fp8**: after scaling (and clamping to +-max, since torch turns out-of-range values into NaN for
+  e4m3fn), round-to-nearest is torch's own conversion (nearest, ties to even), bit for bit.
+- **fp4 e2m1** (MX spec, section 5.3.3): magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} are codes 0..7, bit 3 is
+  the sign. Round-to-nearest breaks ties towards the even code (the even mantissa, as IEEE does: 0.25 -> 0,
+  0.75 -> 1, 5 -> 4). Two codes per byte, element ``2i`` in the low nibble and ``2i + 1`` in the high nibble
+  (the layout of ``torch.float4_e2m1fn_x2``); an odd element count gets one zero nibble of padding.
+- **Stochastic rounding** (``rounding="stochastic"``, draws from an explicit ``torch.Generator``): a value
+  between the two neighbouring representable values lo < x < hi goes to hi with probability
+  (x - lo) / (hi - lo), so E[q(x)] = x for every x in range. Neighbours of torch dtypes are found by
+  stepping the integer code of the magnitude (IEEE-style codes of one sign are ordered like their values).
+  Values beyond bf16/fp16's finite range round to nearest (torch's cast: inf); scaled formats never exceed
+  their range. Rounding is computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROUNDINGS = ("nearest", "stochastic")
+SCALE_DTYPE = torch.float32
+_SCALE_BYTES = 4
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One storage format.
+
+    Attributes:
+        name: canonical name (``get_format`` also accepts the aliases ``fp8`` and ``fp4``).
+        bits: storage bits per element (the payload, without scales).
+        exponent_bits / mantissa_bits: the element encoding (fp4 e2m1: 2 and 1).
+        max_normal: the largest finite magnitude; block scales map a block's absmax onto it.
+        block_scaled: whether the format stores per-block scales.
+        storage_dtype: dtype of the payload tensor (``uint8`` for fp4, two codes per byte).
+    """
+
+    name: str
+    bits: int
+    exponent_bits: int
+    mantissa_bits: int
+    max_normal: float
+    block_scaled: bool
+    storage_dtype: torch.dtype
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("fp32", 32, 8, 23, torch.finfo(torch.float32).max, False, torch.float32),
+        Format("bf16", 16, 8, 7, torch.finfo(torch.bfloat16).max, False, torch.bfloat16),
+        Format("fp16", 16, 5, 10, torch.finfo(torch.float16).max, False, torch.float16),
+        Format("fp8_e4m3", 8, 4, 3, torch.finfo(torch.float8_e4m3fn).max, True, torch.float8_e4m3fn),
+        Format("fp8_e5m2", 8, 5, 2, torch.finfo(torch.float8_e5m2).max, True, torch.float8_e5m2),
+        Format("fp4_e2m1", 4, 2, 1, 6.0, True, torch.uint8),
+    )
+}
+ALIASES = {"fp8": "fp8_e4m3", "fp4": "fp4_e2m1"}
+_DTYPE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# integer views for stepping through the codes of elementwise dtypes
+_CODE_DTYPES = {1: torch.uint8, 2: torch.int16}
+_SIGN_BITS = {1: 0x80, 2: torch.iinfo(torch.int16).min}
+
+
+def get_format(name: str | Format) -> Format:
+    """The :class:`Format` called ``name`` (or an alias); unknown names raise ValueError listing the known ones."""
+    if isinstance(name, Format):
+        return name
+    fmt = FORMATS.get(ALIASES.get(name, name)) if isinstance(name, str) else None
+    if fmt is None:
+        known = ", ".join([*FORMATS, *(f"{a} (= {c})" for a, c in ALIASES.items())])
+        raise ValueError(f"unknown format {name!r}; known formats: {known}")
+    return fmt
+
+
+def dtype_format(dtype: torch.dtype) -> Format:
+    """The unscaled format that stores ``dtype`` as it is (fp32, bf16 or fp16)."""
+    if dtype not in _DTYPE_FORMATS:
+        raise ValueError(f"no storage format holds {dtype} as it is; supported: fp32, bf16, fp16 tensors")
+    return FORMATS[_DTYPE_FORMATS[dtype]]
+
+
+def _check_block_size(fmt: Format, numel: int, block_size: int | None) -> int | None:
+    """``block_size`` normalised (None: one scale per tensor, or no scales); raises on a bad or non-dividing one."""
+    if block_size is None or block_size == -1:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, or None/-1 for one scale per tensor; got {block_size!r}")
+    if not fmt.block_scaled:
+        return None
+    if numel % block_size:
+        raise ValueError(
+            f"block_size {block_size} does not divide the tensor's {numel} elements; pick a block size that "
+            f"divides {numel}, or block_size=None for one scale per tensor"
+        )
+    return block_size
+
+
+def storage_bytes(numel: int, fmt: str | Format, block_size: int | None = 32) -> int:
+    """Exact bytes of a packed tensor of ``numel`` elements: payload (rounded up to whole bytes) plus scales."""
+    fmt = get_format(fmt)
+    block_size = _check_block_size(fmt, numel, block_size)
+    payload = (numel * fmt.bits + 7) // 8
+    if not fmt.block_scaled:
+        return payload
+    n_scales = 1 if block_size is None else numel // block_size
+    return payload + n_scales * _SCALE_BYTES
+
+
+def bytes_per_element(fmt: str | Format, block_size: int | None = 32) -> float:
+    """Bytes per element including the scale overhead (exact for any numel that ``block_size`` divides)."""
+    fmt = get_format(fmt)
+    if not fmt.block_scaled:
+        return fmt.bits / 8
+    block_size = _check_block_size(fmt, 0, block_size)
+    if block_size is None:
+        raise ValueError(f"{fmt.name} with one scale per tensor has an overhead that depends on numel; "
+                         "use storage_bytes(numel, fmt, None)")
+    return fmt.bits / 8 + _SCALE_BYTES / block_size
+
+
+@dataclass(frozen=True, eq=False)
+class PackedTensor:
+    """A tensor held in a storage format: ``payload`` (flat) and, for scaled formats, fp32 ``scales``.
+
+    ``block_size`` is None for unscaled formats and for one scale per tensor. Use :func:`pack` to build one.
+    """
+
+    format: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_size: int | None
+    payload: torch.Tensor
+    scales: torch.Tensor | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """True storage: payload plus scales."""
+        n = self.payload.numel() * self.payload.element_size()
+        if self.scales is not None:
+            n += self.scales.numel() * self.scales.element_size()
+        return n
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The values as a dense tensor of ``dtype`` (default: the dtype the tensor was packed from)."""
+        fmt = get_format(self.format)
+        if fmt.name == "fp4_e2m1":
+            values = _decode_e2m1(self.payload, self.numel)
+        else:
+            values = self.payload.to(torch.float32, copy=True)  # never a view of the payload
+        if self.scales is not None and values.numel():
+            values = (values.view(self.scales.numel(), -1) * self.scales[:, None]).reshape(-1)
+        return values.reshape(self.shape).to(self.dtype if dtype is None else dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it."""
+        return {"format": self.format, "shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch."),
+                "block_size": self.block_size, "payload": self.payload, "scales": self.scales}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PackedTensor:
+        keys = {"format", "shape", "dtype", "block_size", "payload", "scales"}
+        if set(d) != keys:
+            raise ValueError(f"a packed tensor dict has keys {sorted(keys)}; got {sorted(d)}")
+        dtype = getattr(torch, d["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {d['dtype']!r} in a packed tensor dict")
+        fmt = get_format(d["format"])
+        payload, scales = d["payload"], d["scales"]
+        if payload.dtype != fmt.storage_dtype or (scales is None) == fmt.block_scaled:
+            raise ValueError(f"the {fmt.name} payload is {fmt.storage_dtype}"
+                             f"{' with scales' if fmt.block_scaled else ' without scales'}; got {payload.dtype}"
+                             f"{' without scales' if scales is None else ' with scales'}")
+        return cls(fmt.name, tuple(int(s) for s in d["shape"]), dtype, d["block_size"], payload, scales)
+
+
+# ------------------------------------------------------------------------------------------------ rounding
+def _round_elementwise(y: torch.Tensor, fmt: Format, rounding: str, generator: torch.Generator | None):
+    """``y`` (float32) rounded to ``fmt.storage_dtype``: torch's cast, or stochastic between the neighbours."""
+    dtype = fmt.storage_dtype
+    if rounding == "nearest" or dtype == torch.float32:
+        return y.to(dtype)
+    a = y.abs()
+    nearest = a.to(dtype)
+    codes = nearest.view(_CODE_DTYPES[nearest.element_size()])
+    lo_code = torch.where(nearest.float() > a, codes - 1, codes)  # largest magnitude <= a
+    lo = lo_code.view(dtype).float()
+    hi = (lo_code + 1).view(dtype).float()
+    p_up = torch.where(lo < a, (a - lo) / (hi - lo), 0.0)
+    u = torch.rand(a.shape, generator=generator, device=a.device)
+    mag = torch.where(u < p_up, lo_code + 1, lo_code)
+    mag = torch.where(a > fmt.max_normal, codes, mag)  # out of range (bf16/fp16 only): torch's cast
+    signed = torch.where(torch.signbit(y), mag | _SIGN_BITS[nearest.element_size()], mag)
+    return signed.view(dtype)
+
+
+def _round_e2m1(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """``y`` (float32, |y| <= 6) as e2m1 codes (uint8, 0..15; bit 3 the sign)."""
+    grid = torch.tensor(_E2M1_GRID, device=y.device)
+    a = y.abs()
+    lo = torch.bucketize(a, grid, right=True) - 1  # largest grid point <= a
+    hi = (lo + 1).clamp(max=len(_E2M1_GRID) - 1)
+    # grid neighbours are within a factor 2 of each other, so these differences are exact (Sterbenz)
+    below, above = a - grid[lo], grid[hi] - a
+    if rounding == "nearest":
+        up = (above < below) | ((above == below) & (lo % 2 == 1))  # ties to the even code
+    else:
+        step = grid[hi] - grid[lo]
+        p_up = torch.where(step > 0, below / torch.where(step > 0, step, 1.0), 0.0)
+        up = torch.rand(a.shape, generator=generator, device=a.device) < p_up
+    code = torch.where(up, hi, lo).to(torch.uint8)
+    return torch.where(torch.signbit(y), code | 0x8, code)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    return codes[0::2] | (codes[1::2] << 4)
+
+
+def _decode_e2m1(payload: torch.Tensor, numel: int) -> torch.Tensor:
+    codes = torch.stack([payload & 0xF, payload >> 4], dim=-1).reshape(-1)[:numel]
+    grid = torch.tensor(_E2M1_GRID, device=payload.device)
+    values = grid[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -values, values)
+
+
+# ------------------------------------------------------------------------------------------------ pack
+@torch.no_grad()
+def pack(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32, rounding: str = "nearest",
+         generator: torch.Generator | None = None) -> PackedTensor:
+    """Store ``tensor`` in ``fmt`` with per-block fp32 scales (see the module docstring for every rule)."""
+    fmt = get_format(fmt)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}; got {rounding!r}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"pack needs a floating-point tensor; got {tensor.dtype}")
+    block_size = _check_block_size(fmt, tensor.numel(), block_size)
+    x = tensor.detach().reshape(-1).float()
+    if not fmt.block_scaled:
+        payload = _round_elementwise(x, fmt, rounding, generator)
+        if payload.data_ptr() == tensor.data_ptr():  # a float32 tensor packed to fp32 must not alias it
+            payload = payload.clone()
+        return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, None, payload, None)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"cannot pack a tensor with inf or NaN values into {fmt.name} (block scales need finite "
+                         "values)")
+    blocks = x.view(1, -1) if block_size is None else x.view(-1, block_size)  # (n_blocks, block)
+    if blocks.numel():
+        scales = blocks.abs().amax(dim=1) / fmt.max_normal
+    else:
+        scales = torch.zeros(blocks.shape[0], device=x.device)
+    divisor = torch.where(scales > 0, scales, 1.0)  # an all-zero block stays zero
+    y = (blocks / divisor[:, None]).clamp(-fmt.max_normal, fmt.max_normal).reshape(-1)
+    if fmt.name == "fp4_e2m1":
+        payload = _pack_nibbles(_round_e2m1(y, rounding, generator))
+    else:
+        payload = _round_elementwise(y, fmt, rounding, generator)
+    return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, block_size, payload, scales.to(SCALE_DTYPE))
+
+
+def unpack(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``packed.dequantize(dtype)``."""
+    return packed.dequantize(dtype)
+
+
+def quantize_dequantize(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32,
+                        rounding: str = "nearest", generator: torch.Generator | None = None) -> torch.Tensor:
+    """What ``tensor`` reads back as after storage in ``fmt`` (same shape and dtype)."""
+    return pack(tensor, fmt, block_size, rounding, generator).dequantize()
+
+
+@torch.no_grad()
+def quantization_error(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32) -> float:
+    """Squared L2 error ``||q(x) - x||^2`` of round-to-nearest storage in ``fmt``, summed in float64."""
+    q = pack(tensor, fmt, block_size).dequantize(torch.float32)
+    return float((q.double() - tensor.detach().double()).square().sum())
