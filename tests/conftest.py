@@ -12,6 +12,18 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tests use tiny models: intra-op threads only add contention (on a shared 2-core machine, 10-100x slower).
+    Notebooks run in their own kernels and keep torch's default."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     """Results, data, W&B offline runs all under ``tmp_path`` (set in the environment, so kernels inherit it)."""

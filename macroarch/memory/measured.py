@@ -192,6 +192,26 @@ class _CategoryTracker(MemTracker):
         self.phases[phase] = now
 
 
+def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inputs: Any) -> _CategoryTracker:
+    """A tracker that already knows ``model``, ``optimizer`` and ``inputs``, with the optimizer's state filed:
+    Adam's ``exp_avg``/``exp_avg_sq`` as optimizer state, fp32 ``master`` copies as master weights, the rest
+    (step counters) as other. Its ``setup`` phase starts now."""
+    tracker = _CategoryTracker()
+    tracker.track_external(model, optimizer, *inputs)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                continue
+            if key == "master":
+                tracker.label(value, "master_weights")
+            elif key in ("exp_avg", "exp_avg_sq"):
+                tracker.label(value, "optimizer_state")
+            else:
+                tracker.label(value, "other")
+    tracker.start_phase("setup")
+    return tracker
+
+
 def _resolve_builder(
     model: ModelSpec | str | Callable[..., torch.nn.Module],
 ) -> tuple[str, Callable[..., torch.nn.Module]]:
@@ -281,17 +301,7 @@ def measure_training_step(
         optimizer = _make_optimizer(net, policy, foreach)
         input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
 
-        tracker = _CategoryTracker()
-        tracker.track_external(net, optimizer, input_ids)
-        for state in optimizer.state.values():
-            for key, value in state.items():
-                if key == "master":
-                    tracker.label(value, "master_weights")
-                elif key in ("exp_avg", "exp_avg_sq"):
-                    tracker.label(value, "optimizer_state")
-                else:
-                    tracker.label(value, "other")
-        tracker.start_phase("setup")
+        tracker = _tracker_for(net, optimizer, input_ids)
         start = time.perf_counter()
         with tracker:
             tracker.start_phase("forward")
@@ -341,13 +351,7 @@ def measure_step(step: Callable[[], Any], model: torch.nn.Module, optimizer: tor
     the step, so their bytes count from the start; Adam's ``exp_avg``/``exp_avg_sq`` are filed as optimizer
     state. Gradients are the tensors MemTracker sees accumulated into ``.grad``.
     """
-    tracker = _CategoryTracker()
-    tracker.track_external(model, optimizer, *inputs)
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if torch.is_tensor(value):
-                tracker.label(value, "optimizer_state" if key in ("exp_avg", "exp_avg_sq") else "other")
-    tracker.start_phase("setup")
+    tracker = _tracker_for(model, optimizer, *inputs)
     start = time.perf_counter()
     with tracker:
         tracker.start_phase("step")

@@ -23,15 +23,6 @@ TINY = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
 KINDS_AND_DYNAMIC = [("residual", True), ("hc", True), ("hc", False), ("mhc", True), ("mhc", False)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Thousands of tiny ops: on a shared 2-core machine, two intra-op threads can make them 10-100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _ids(seed: int = 0, batch: int = 3, seq: int = 16) -> torch.Tensor:
     return torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed))
 

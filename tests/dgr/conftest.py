@@ -74,15 +74,6 @@ def _clip(dtype=torch.float32):
 ZOO = {"sequential": _sequential, "llama": _llama, "gpt2_tied": _gpt2_tied, "bert": _bert, "vit": _vit, "clip": _clip}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add contention (on a shared 2-core machine, 50x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def zoo():
     return ZOO

@@ -5,22 +5,18 @@ import copy
 import torch
 
 from macroarch.dgr import DGRWrapper
-from macroarch.memory.measured import _CategoryTracker
+from macroarch.memory import measure_step
 from macroarch.models import get_model_spec
 
 
 def _max_gradient_bytes(model, optimizer, ids):
-    model(input_ids=ids, labels=ids).loss.backward()  # a first step creates AdamW's state
-    optimizer.step()
-    optimizer.zero_grad()
-    tracker = _CategoryTracker()
-    tracker.track_external(model, optimizer, ids)
-    tracker.start_phase("setup")
-    with tracker:
+    def step():
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return tracker.max_by_category["gradients"]
+
+    step()  # a first step creates AdamW's state
+    return measure_step(step, model, optimizer, ids).max_by_category["gradients"]
 
 
 def test_sync_dgr_holds_about_one_group_of_gradients():

@@ -24,14 +24,6 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _sample(shape=(8, 64), seed=0):
     """Gaussian values with an outlier, a tiny block and an all-zero block (blocks of 32)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))

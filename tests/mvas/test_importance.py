@@ -22,8 +22,6 @@ from macroarch.mvas.importance import (
     tensor_importance,
 )
 
-torch.set_num_threads(1)
-
 
 def _mlp():
     """A 212-parameter tanh MLP in float64 with a regression loss over fixed batches."""

@@ -25,14 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 HIGH = ("fp16", "fp8_e4m3", "fp4_e2m1")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def clip():
     import open_clip
