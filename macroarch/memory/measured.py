@@ -24,7 +24,7 @@ step starts, as in every step after the first. Precisions (``macroarch.memory.an
 MemTracker's categories are refined so they line up with the analytic ones:
 
 ==================  ===============================================================================
-parameters          MemTracker PARAM
+parameters          MemTracker PARAM, and the packed weights of an MVAS store (buffers named ``*__mvas_*``)
 gradients           GRAD
 optimizer_state     Adam's m and v (OPT tensors that exist before the step)
 master_weights      the fp32 master copies (MemTracker files them under OPT)
@@ -60,6 +60,7 @@ CATEGORIES = (
     "parameters", "gradients", "optimizer_state", "master_weights", "activations", "temporaries", "other",
 )
 PHASES = ("setup", "forward", "backward", "optimizer")
+_PACKED_SUFFIXES = ("__mvas_payload", "__mvas_scales")  # macroarch.mvas.store's buffers
 
 _FROM_MEMTRACKER = {
     _MemRefType.PARAM: "parameters",
@@ -204,10 +205,13 @@ def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inpu
                 continue
             if key == "master":
                 tracker.label(value, "master_weights")
-            elif key in ("exp_avg", "exp_avg_sq"):
+            elif key.startswith("exp_avg"):  # Adam's m and v, and the block scales of packed ones (MVAS)
                 tracker.label(value, "optimizer_state")
             else:
                 tracker.label(value, "other")
+    for name, buffer in model.named_buffers():
+        if name.endswith(_PACKED_SUFFIXES):  # MVAS stores packed weights as buffers: they are the parameters
+            tracker.label(buffer, "parameters")
     tracker.start_phase("setup")
     return tracker
 
@@ -348,8 +352,9 @@ def measure_step(step: Callable[[], Any], model: torch.nn.Module, optimizer: tor
 
     For loops that ``measure_training_step`` does not build itself (a DGR optimizer stepping groups during
     backward, a probe, a custom schedule). ``model``, ``optimizer`` and ``inputs`` are tracked from before
-    the step, so their bytes count from the start; Adam's ``exp_avg``/``exp_avg_sq`` are filed as optimizer
-    state. Gradients are the tensors MemTracker sees accumulated into ``.grad``.
+    the step, so their bytes count from the start; Adam's ``exp_avg``/``exp_avg_sq`` (and their block scales)
+    are filed as optimizer state, ``master`` copies as master weights, MVAS's packed weights as parameters.
+    Gradients are the tensors MemTracker sees accumulated into ``.grad``.
     """
     tracker = _tracker_for(model, optimizer, *inputs)
     start = time.perf_counter()

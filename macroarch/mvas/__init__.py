@@ -4,7 +4,19 @@ fp8 or fp4 by importance.
 - ``formats``: bf16/fp16, fp8 (e4m3, e5m2), fp4 e2m1 (two per byte) with per-block fp32 scales, round-to-nearest
   and stochastic rounding; ``pack`` -> ``PackedTensor`` whose ``nbytes`` is its real storage;
 - ``policy``: ``PrecisionPlan`` from explicit rules (the post's CLIP ``precision_policy``) or a memory budget
-  (a knapsack over tensors by sensitivity per byte saved).
+  (a knapsack over tensors by sensitivity per byte saved);
+- ``importance``: Hutchinson's Hessian diagonal, the Fisher diagonal, HAWQ sensitivity per tensor and format;
+- ``store``: ``apply(model, plan)`` keeps parameters packed and serves them dense just in time, forward and
+  backward;
+- ``optim``: ``MVASAdamW``, AdamW writing packed weights (stochastic rounding or a master copy) with block-
+  quantised moments;
+- ``schedule``: ``MVASSchedule`` re-plans the formats every K steps from the running importance.
+
+Usage::
+
+    plan = mvas.plan_for_budget(model, target_reduction=0.5)
+    store = mvas.apply(model, plan)
+    opt = mvas.MVASAdamW(model.parameters(), lr=3e-4)
 """
 
 from macroarch.mvas.formats import (
@@ -23,6 +35,16 @@ from macroarch.mvas.formats import (
     storage_bytes,
     unpack,
 )
+from macroarch.mvas.importance import (
+    FisherDiagonal,
+    HutchinsonEstimator,
+    block_importance,
+    fisher_diagonal,
+    hutchinson_diagonal,
+    sensitivity,
+    tensor_importance,
+)
+from macroarch.mvas.optim import MVASAdamW
 from macroarch.mvas.policy import (
     CLIP_TOWERS,
     DEFAULT_KEEP_PATTERNS,
@@ -38,9 +60,25 @@ from macroarch.mvas.policy import (
     read_precision_policy,
     split_rules,
 )
+from macroarch.mvas.schedule import MVASSchedule, PlanChange, expected_rounding_error
+from macroarch.mvas.store import MVASStore, apply, is_packed_buffer
 
 __all__ = [
     "ALIASES",
+    "FisherDiagonal",
+    "HutchinsonEstimator",
+    "MVASAdamW",
+    "MVASSchedule",
+    "MVASStore",
+    "PlanChange",
+    "apply",
+    "block_importance",
+    "expected_rounding_error",
+    "fisher_diagonal",
+    "hutchinson_diagonal",
+    "is_packed_buffer",
+    "sensitivity",
+    "tensor_importance",
     "CLIP_TOWERS",
     "DEFAULT_KEEP_PATTERNS",
     "FORMATS",

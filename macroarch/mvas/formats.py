@@ -249,6 +249,11 @@ def _decode_e2m1(payload: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ pack
+def _is_fake(t: torch.Tensor) -> bool:
+    """Fake and meta tensors have no values, so value checks are skipped for them (full-size memory runs)."""
+    return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
+
+
 @torch.no_grad()
 def pack(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32, rounding: str = "nearest",
          generator: torch.Generator | None = None) -> PackedTensor:
@@ -262,10 +267,11 @@ def pack(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32, r
     x = tensor.detach().reshape(-1).float()
     if not fmt.block_scaled:
         payload = _round_elementwise(x, fmt, rounding, generator)
-        if payload.data_ptr() == tensor.data_ptr():  # a float32 tensor packed to fp32 must not alias it
+        # a float32 tensor packed to fp32 must not alias it (fake tensors have no data pointer to compare)
+        if payload.dtype == tensor.dtype and (_is_fake(tensor) or payload.data_ptr() == tensor.data_ptr()):
             payload = payload.clone()
         return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, None, payload, None)
-    if not torch.isfinite(x).all():
+    if not _is_fake(x) and not torch.isfinite(x).all():
         raise ValueError(f"cannot pack a tensor with inf or NaN values into {fmt.name} (block scales need finite "
                          "values)")
     blocks = x.view(1, -1) if block_size is None else x.view(-1, block_size)  # (n_blocks, block)

@@ -1,0 +1,206 @@
+"""``MVASAdamW``: AdamW (Loshchilov and Hutter 2019) whose weights and moments are stored in low precision.
+
+The Adam math is torch.optim.AdamW's, computed in fp32 one tensor at a time; what differs is storage:
+
+- **Weights.** A parameter managed by an MVAS store (``macroarch.mvas.store``) is read dequantised from its
+  packed storage and written back in its planned format: with **stochastic rounding** (the default), so an
+  update smaller than the format's spacing still moves the weight in expectation (round-to-nearest would
+  drop it: the "lost update" of low-precision training), or, with ``master_weights=True``, from an fp32
+  master copy kept in the optimizer state and rounded to nearest. Other parameters are updated in place as
+  AdamW does (fp32 math, cast back to the parameter's dtype).
+- **Moments.** ``m`` and ``v`` of tensors with at least ``min_state_numel`` elements (4096, torchao's
+  threshold) that ``state_block_size`` divides are block-quantised in ``state_format`` (fp8 e4m3, blocks of
+  128 by default: 1.03 bytes per element each): ``m`` directly, ``v`` as ``sqrt(v)``, which halves its
+  dynamic range in log scale (the approach of 8-bit and 4-bit optimizer states, Dettmers et al. 2022, Li et
+  al. 2023, store ``v`` with a dedicated map; ours is the format's own grid). A ``sqrt(v)`` that underflows
+  to zero would turn ``m / sqrt(v)`` into ``m / eps``; it reads back as the smallest value its block can
+  represent instead (the zero-point problem of Li et al. 2023). Both are rounded to nearest. Smaller tensors
+  keep fp32 moments. ``state_format="fp32"`` keeps every moment dense.
+
+``state_dict()`` / ``load_state_dict()`` round-trip exactly: torch casts floating state to the parameter's
+dtype on load, so the packed moments and the master copies are put back as they were saved, and the state
+of the stochastic-rounding generators is saved too (a resumed run draws the same roundings).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from macroarch.mvas.formats import PackedTensor, get_format, pack
+
+_EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
+
+
+def _min_subnormal(fmt_name: str) -> float:
+    fmt = get_format(fmt_name)
+    bias = 2 ** (fmt.exponent_bits - 1) - 1
+    return 2.0 ** (1 - bias - fmt.mantissa_bits)
+
+
+class MVASAdamW(torch.optim.Optimizer):
+    """AdamW over MVAS-managed (and ordinary) parameters; see the module docstring.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        state_format: storage of ``m`` and ``sqrt(v)``: a block-scaled format (``"fp8_e4m3"``, ``"fp8_e5m2"``,
+            ``"fp4_e2m1"``), ``"bf16"``/``"fp16"``, or ``"fp32"`` for dense moments.
+        state_block_size: elements per scale of the moments.
+        master_weights: keep an fp32 master of every managed parameter and write the weights from it.
+        rounding: how managed weights are written without a master, ``"stochastic"`` or ``"nearest"``.
+        min_state_numel: tensors smaller than this keep fp32 moments.
+        seed: seed of the stochastic-rounding generator (default: drawn from torch's global generator).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, state_format: str = "fp8_e4m3",
+                 state_block_size: int = 128, master_weights: bool = False, rounding: str = "stochastic",
+                 min_state_numel: int = 4096, seed: int | None = None) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"betas={betas} must be two values in [0, 1)")
+        if not eps >= 0.0:
+            raise ValueError(f"eps={eps} must be >= 0")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        state_format = get_format(state_format).name  # raises on an unknown name, listing the known ones
+        if not isinstance(state_block_size, int) or state_block_size < 1:
+            raise ValueError(f"state_block_size={state_block_size!r} must be a positive int")
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"rounding={rounding!r} must be 'stochastic' or 'nearest'")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.state_format = state_format
+        self.state_block_size = state_block_size
+        self.master_weights = master_weights
+        self.rounding = rounding
+        self.min_state_numel = min_state_numel
+        self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    # ------------------------------------------------------------------------------------------- storage
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed + len(self._generators))
+            self._generators[device] = g
+        return self._generators[device]
+
+    def _quantised(self, p: torch.Tensor) -> bool:
+        return (self.state_format != "fp32" and p.numel() >= self.min_state_numel
+                and (not get_format(self.state_format).block_scaled or p.numel() % self.state_block_size == 0))
+
+    @staticmethod
+    def _packed_state(state: dict) -> bool:
+        return state["exp_avg"].dtype != torch.float32
+
+    def _store(self, state: dict, key: str, value: torch.Tensor) -> None:
+        packed = pack(value, self.state_format, self.state_block_size)
+        state[key] = packed.payload
+        if packed.scales is not None:
+            state[key + "_scales"] = packed.scales
+
+    def _load(self, p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
+        value = state[key]
+        if not self._packed_state(state):
+            return value  # dense fp32 moments, updated in place
+        fmt = get_format(self.state_format)
+        block = self.state_block_size if fmt.block_scaled else None
+        scales = state.get(key + "_scales")
+        dense = PackedTensor(fmt.name, tuple(p.shape), torch.float32, block, value, scales).dequantize()
+        if key == "exp_avg_sq" and scales is not None:  # sqrt(v) that underflowed reads back as its block's floor
+            floor = (scales * _min_subnormal(fmt.name)).repeat_interleave(block).view(p.shape)
+            dense = torch.maximum(dense, floor)
+        return dense
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if self._quantised(p):
+            self._store(state, "exp_avg", zeros)
+            self._store(state, "exp_avg_sq", zeros)
+        else:
+            state["exp_avg"], state["exp_avg_sq"] = zeros, zeros.clone()
+        entry = getattr(p, "_mvas_entry", None)
+        if entry is not None and self.master_weights:
+            state["master"] = entry.dense(torch.float32)
+        return state
+
+    # ------------------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("MVASAdamW does not support sparse gradients")
+                state = self.state[p] if self.state[p] else self._init_state(p)
+                state["step"] += 1
+                t = float(state["step"])
+                g = p.grad.float()
+                packed_state = self._packed_state(state)
+                m = self._load(p, state, "exp_avg")
+                v = self._load(p, state, "exp_avg_sq")
+                if packed_state:
+                    v.square_()  # stored as sqrt(v)
+                m.lerp_(g, 1.0 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                denom = (v.sqrt() / math.sqrt(1.0 - beta2 ** t)).add_(eps)
+                entry = getattr(p, "_mvas_entry", None)
+                if entry is not None:
+                    w = state["master"] if "master" in state else entry.dense(torch.float32)
+                else:
+                    w = p if p.dtype == torch.float32 else p.float()
+                w.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / (1.0 - beta1 ** t))
+                if entry is not None:
+                    rounding = "nearest" if "master" in state else self.rounding
+                    entry.set_packed(pack(w, entry.plan.format, entry.plan.block_size, rounding,
+                                          self._generator(w.device) if rounding == "stochastic" else None))
+                elif w is not p:
+                    p.copy_(w)
+                if packed_state:
+                    self._store(state, "exp_avg", m)
+                    self._store(state, "exp_avg_sq", v.sqrt_())
+        return loss
+
+    # ------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["mvas_generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
+        sd["mvas_seed"] = self.seed
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        generators = state_dict.pop("mvas_generators", {})
+        seed = state_dict.pop("mvas_seed", self.seed)
+        exact = {i: {k: v for k, v in s.items() if k in _EXACT_KEYS} for i, s in state_dict["state"].items()}
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            for key, value in exact.get(i, {}).items():
+                self.state[p][key] = value.to(device=p.device, copy=True)  # torch cast them to p.dtype
+        self.seed = seed
+        self._generators = {}
+        for device, rng in generators.items():
+            g = torch.Generator(device=device)
+            g.set_state(rng)
+            self._generators[torch.device(device)] = g
+
+    def state_bytes(self) -> int:
+        """Bytes of the moments (payloads and scales) held now, masters excluded."""
+        return sum(v.numel() * v.element_size() for s in self.state.values() for k, v in s.items()
+                   if k.startswith("exp_avg") and torch.is_tensor(v))
+

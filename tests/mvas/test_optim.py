@@ -1,0 +1,190 @@
+"""MVASAdamW against torch.optim.AdamW, and what its low-precision storage does and does not change."""
+
+import copy
+
+import pytest
+import torch
+from model_zoo import ZOO
+from torch import nn
+
+from macroarch.dgr import DGRWrapper
+from macroarch.mvas import plan_from_rules, quantize_dequantize
+from macroarch.mvas.optim import MVASAdamW
+from macroarch.mvas.store import apply
+
+KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+
+
+def _grads(params, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g) for p in params] for _ in range(steps)]
+
+
+def _run(opt, params, grads):
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+
+
+def test_with_dense_state_and_no_managed_parameters_it_is_adamw():
+    net = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 8))
+    ref = copy.deepcopy(net)
+    grads = _grads(list(net.parameters()), 50)
+    _run(MVASAdamW(net.parameters(), state_format="fp32", **KW), list(net.parameters()), grads)
+    _run(torch.optim.AdamW(ref.parameters(), **KW), list(ref.parameters()), grads)
+    for a, b in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp4_e2m1"])
+def test_the_master_copy_follows_adamw_and_the_weights_are_its_rounding(fmt):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128, bias=False))
+    ref = copy.deepcopy(net)
+    store = apply(net, plan_from_rules(net, [("*", fmt)], block_size=32, min_numel=0))
+    with torch.no_grad():  # the master starts from the stored (rounded) weights
+        ref[0].weight.copy_(store.dense("0.weight"))
+    params = list(net.parameters())
+    grads = _grads(params, 30)
+    opt = MVASAdamW(params, state_format="fp32", master_weights=True, **KW)
+    _run(opt, params, grads)
+    _run(torch.optim.AdamW(ref.parameters(), **KW), list(ref.parameters()), grads)
+    master = opt.state[params[0]]["master"]
+    assert torch.allclose(master, ref[0].weight, rtol=1e-5, atol=1e-6)
+    assert torch.equal(store.dense("0.weight"), quantize_dequantize(master, fmt, 32))
+
+
+def test_round_to_nearest_loses_small_updates_and_stochastic_rounding_keeps_them_on_average():
+    torch.manual_seed(0)
+    w0 = (torch.rand(64, 256) + 1.0).bfloat16().float()  # in [1, 2): bf16's spacing is 2^-7
+    grad = torch.ones_like(w0)  # Adam's first step moves every weight by -lr
+    lr = 1e-3  # below half the spacing: round-to-nearest gives the same weight back
+    moved = {}
+    for rounding in ("nearest", "stochastic"):
+        net = nn.Linear(256, 64, bias=False)
+        with torch.no_grad():
+            net.weight.copy_(w0)
+        store = apply(net, plan_from_rules(net, [("*", "bf16")], min_numel=0))
+        opt = MVASAdamW(net.parameters(), lr=lr, weight_decay=0.0, state_format="fp32", rounding=rounding, seed=0)
+        net.weight.grad = grad
+        opt.step()
+        moved[rounding] = (store.dense("weight") - w0).double()
+    assert torch.count_nonzero(moved["nearest"]) == 0  # every update lost
+    assert abs(moved["stochastic"].mean().item() + lr) < 0.1 * lr  # unbiased: E[w1 - w0] = -lr
+
+
+def test_packed_moments_stay_close_to_adamws_and_cost_what_they_should():
+    torch.manual_seed(0)
+    net = nn.Linear(256, 128)
+    ref, w0 = copy.deepcopy(net), net.weight.detach().clone()
+    params = list(net.parameters())
+    grads = _grads(params, 20)
+    opt = MVASAdamW(params, state_format="fp8_e4m3", state_block_size=128, **KW)
+    _run(opt, params, grads)
+    _run(torch.optim.AdamW(ref.parameters(), **KW), list(ref.parameters()), grads)
+    state = opt.state[net.weight]
+    assert state["exp_avg"].dtype == torch.float8_e4m3fn and state["exp_avg_scales"].numel() == 256
+    assert state["exp_avg_sq"].dtype == torch.float8_e4m3fn
+    assert opt.state[net.bias]["exp_avg"].dtype == torch.float32  # 128 elements: below min_state_numel
+    assert opt.state_bytes() == 2 * (128 * 256 * 1 + 256 * 4) + 2 * 128 * 4
+    # fp8 e4m3 keeps 3 mantissa bits (relative error up to 1/16 per element): the displacement over 20 steps
+    # stays within 10% of AdamW's, in the same direction
+    moved, ref_moved = (net.weight - w0).detach().flatten(), (ref.weight - w0).detach().flatten()
+    assert (moved - ref_moved).norm() < 0.1 * ref_moved.norm()
+    assert torch.nn.functional.cosine_similarity(moved, ref_moved, dim=0) > 0.99
+
+
+def test_zero_moments_underflowing_read_back_as_their_blocks_floor():
+    net = nn.Linear(128, 64, bias=False)
+    opt = MVASAdamW(net.parameters(), state_format="fp8_e4m3", state_block_size=128, **KW)
+    grad = torch.zeros(64, 128)
+    grad[:, 0] = 1e3  # one huge gradient per block makes the others underflow
+    grad[:, 1:] = 1e-6
+    net.weight.grad = grad
+    opt.step()
+    w_before = net.weight.detach().clone()
+    net.weight.grad = grad
+    opt.step()
+    assert torch.isfinite(net.weight).all()
+    assert (net.weight - w_before).abs().max() <= 1.01 * KW["lr"] * (1 + KW["weight_decay"])  # no m / eps blow-up
+
+
+def test_resuming_from_state_dicts_continues_bit_for_bit():
+    def build():
+        net, loss_fn = ZOO["llama"]()
+        store = apply(net, plan_from_rules(net, [("*mlp*", "fp4"), ("*", "fp8")], block_size=16, min_numel=256))
+        return net, loss_fn, store, MVASAdamW(net.parameters(), lr=3e-3, seed=5, state_block_size=64,
+                                              min_state_numel=256)
+
+    net, loss_fn, store, opt = build()
+    for _ in range(2):
+        loss_fn(net).backward()
+        opt.step()
+        opt.zero_grad()
+    saved_model, saved_opt = copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict())
+    for _ in range(3):
+        loss_fn(net).backward()
+        opt.step()
+        opt.zero_grad()
+    net2, loss_fn2, store2, opt2 = build()
+    net2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    assert opt2.state[next(p for p in net2.parameters() if hasattr(p, "_mvas_entry"))]["exp_avg"].dtype \
+        == torch.float8_e4m3fn
+    for _ in range(3):
+        loss_fn2(net2).backward()
+        opt2.step()
+        opt2.zero_grad()
+    for name in store.entries:
+        assert torch.equal(store.packed(name).payload.view(torch.uint8), store2.packed(name).payload.view(torch.uint8))
+
+
+def test_dgr_sync_with_mvas_is_the_same_training():
+    def build():
+        net, loss_fn = ZOO["llama"]()
+        apply(net, plan_from_rules(net, [("*mlp*", "fp4"), ("*", "fp8")], block_size=16, min_numel=256))
+        return net, loss_fn
+
+    net, loss_fn = build()
+    opt = MVASAdamW(net.parameters(), lr=3e-3, rounding="nearest", state_format="fp32")
+    dgr_net, dgr_loss = build()
+    wrapper = DGRWrapper(dgr_net, group_size=1, loss_fn=dgr_loss)
+    dgr_opt = wrapper.optimizer(MVASAdamW, lr=3e-3, rounding="nearest", state_format="fp32")
+    assert len(wrapper.grouping.groups) > 2
+    for _ in range(3):
+        loss_fn(net).backward()
+        opt.step()
+        opt.zero_grad()
+        dgr_loss(dgr_net).backward()  # groups step during backward
+        dgr_opt.step()
+        dgr_opt.zero_grad()
+    for (n, a), b in zip(net.named_buffers(), dgr_net.buffers()):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b), n
+
+
+def test_lr_schedulers_drive_it():
+    net = nn.Linear(8, 8)
+    opt = MVASAdamW(net.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)
+    assert opt.param_groups[0]["lr"] == 0.0
+    before = net.weight.detach().clone()
+    net.weight.grad = torch.ones(8, 8)
+    opt.step()
+    sched.step()
+    assert torch.equal(net.weight, before * (1 - 0.0))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(lr=-1.0), "lr=-1.0"),
+    (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(eps=-1.0), "eps"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(state_format="fp6"), "fp6"),
+    (dict(state_block_size=0), "state_block_size"),
+    (dict(rounding="up"), "rounding"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MVASAdamW(nn.Linear(2, 2).parameters(), **kwargs)
