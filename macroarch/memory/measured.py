@@ -195,8 +195,9 @@ class _CategoryTracker(MemTracker):
 
 def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inputs: Any) -> _CategoryTracker:
     """A tracker that already knows ``model``, ``optimizer`` and ``inputs``, with the optimizer's state filed:
-    Adam's ``exp_avg``/``exp_avg_sq`` as optimizer state, fp32 ``master`` copies as master weights, the rest
-    (step counters) as other. Its ``setup`` phase starts now."""
+    ``master`` copies as master weights, ``step`` counters as other, every other state tensor (Adam's
+    ``exp_avg``/``exp_avg_sq``, block scales and maps of quantised states) as optimizer state. Its ``setup``
+    phase starts now."""
     tracker = _CategoryTracker()
     tracker.track_external(model, optimizer, *inputs)
     for state in optimizer.state.values():
@@ -205,10 +206,10 @@ def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inpu
                 continue
             if key == "master":
                 tracker.label(value, "master_weights")
-            elif key.startswith("exp_avg"):  # Adam's m and v, and the block scales of packed ones (MVAS)
-                tracker.label(value, "optimizer_state")
-            else:
+            elif key == "step":
                 tracker.label(value, "other")
+            else:  # Adam's m and v, and what quantised optimizers keep with them (block scales, quantisation maps)
+                tracker.label(value, "optimizer_state")
     for name, buffer in model.named_buffers():
         if name.endswith(_PACKED_SUFFIXES):  # MVAS stores packed weights as buffers: they are the parameters
             tracker.label(buffer, "parameters")
@@ -352,8 +353,9 @@ def measure_step(step: Callable[[], Any], model: torch.nn.Module, optimizer: tor
 
     For loops that ``measure_training_step`` does not build itself (a DGR optimizer stepping groups during
     backward, a probe, a custom schedule). ``model``, ``optimizer`` and ``inputs`` are tracked from before
-    the step, so their bytes count from the start; Adam's ``exp_avg``/``exp_avg_sq`` (and their block scales)
-    are filed as optimizer state, ``master`` copies as master weights, MVAS's packed weights as parameters.
+    the step, so their bytes count from the start; optimizer state tensors other than ``step`` (Adam's moments,
+    their block scales and quantisation maps) are filed as optimizer state, ``master`` copies as master
+    weights, MVAS's packed weights as parameters.
     Gradients are the tensors MemTracker sees accumulated into ``.grad``.
     """
     tracker = _tracker_for(model, optimizer, *inputs)

@@ -21,8 +21,9 @@ holding two 4-bit codes per byte, bf16/fp16 are plain casts. ``nbytes`` counts e
   (the layout of ``torch.float4_e2m1fn_x2``); an odd element count gets one zero nibble of padding.
 - **Stochastic rounding** (``rounding="stochastic"``, draws from an explicit ``torch.Generator``): a value
   between the two neighbouring representable values lo < x < hi goes to hi with probability
-  (x - lo) / (hi - lo), so E[q(x)] = x for every x in range. Neighbours of torch dtypes are found by
-  stepping the integer code of the magnitude (IEEE-style codes of one sign are ordered like their values).
+  (x - lo) / (hi - lo), so E[q(x)] = x for every x in range. It is done on float32 bit patterns: a uniform
+  integer added below the kept mantissa bits carries into them with exactly that probability (the
+  subnormal range uses floor(x / spacing + u)); the result is a value the format represents, then cast.
   Values beyond bf16/fp16's finite range round to nearest (torch's cast: inf); scaled formats never exceed
   their range. Rounding is computed in float32.
 """
@@ -76,9 +77,6 @@ FORMATS: dict[str, Format] = {
 }
 ALIASES = {"fp8": "fp8_e4m3", "fp4": "fp4_e2m1"}
 _DTYPE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# integer views for stepping through the codes of elementwise dtypes
-_CODE_DTYPES = {1: torch.uint8, 2: torch.int16}
-_SIGN_BITS = {1: 0x80, 2: torch.iinfo(torch.int16).min}
 
 
 def get_format(name: str | Format) -> Format:
@@ -198,40 +196,59 @@ class PackedTensor:
 
 
 # ------------------------------------------------------------------------------------------------ rounding
+def _stochastic_magnitude(a: torch.Tensor, mantissa_bits: int, min_exponent: int,
+                          generator: torch.Generator | None) -> torch.Tensor:
+    """``a`` (float32, >= 0) rounded stochastically to ``mantissa_bits`` bits of mantissa, exponents down to
+    ``min_exponent`` (below it the spacing is fixed, as for subnormals): the result is one of the two
+    neighbouring representable values, the upper one with probability (a - lo) / (hi - lo).
+
+    In the normal range, adding a uniform integer in [0, 2^k) to the float32 bit pattern, k = 23 - mantissa_bits,
+    and clearing the low k bits rounds up exactly when the noise carries past the kept bits, which happens with
+    probability (dropped bits) / 2^k = (a - lo) / (hi - lo); a carry into the exponent gives the next power of
+    two, the correct upper neighbour. Below 2^min_exponent the spacing is 2^(min_exponent - mantissa_bits):
+    floor(a / spacing + u) * spacing, u uniform in [0, 1), with the same noise.
+    """
+    shift = 23 - mantissa_bits
+    noise = torch.randint(0, 1 << shift, a.shape, generator=generator, device=a.device, dtype=torch.int32)
+    bits = a.view(torch.int32)
+    q = ((bits + noise) & ~((1 << shift) - 1)).view(torch.float32)
+    spacing = 2.0 ** (min_exponent - mantissa_bits)
+    small = torch.floor(a / spacing + noise.float() * (1.0 / (1 << shift))) * spacing
+    return torch.where(a < 2.0 ** min_exponent, small, q)
+
+
 def _round_elementwise(y: torch.Tensor, fmt: Format, rounding: str, generator: torch.Generator | None):
-    """``y`` (float32) rounded to ``fmt.storage_dtype``: torch's cast, or stochastic between the neighbours."""
+    """``y`` (float32) rounded to ``fmt.storage_dtype``: torch's cast, or stochastic between the neighbours
+    (``_stochastic_magnitude``, then torch's cast of a value it represents exactly)."""
     dtype = fmt.storage_dtype
     if rounding == "nearest" or dtype == torch.float32:
         return y.to(dtype)
     a = y.abs()
-    nearest = a.to(dtype)
-    codes = nearest.view(_CODE_DTYPES[nearest.element_size()])
-    lo_code = torch.where(nearest.float() > a, codes - 1, codes)  # largest magnitude <= a
-    lo = lo_code.view(dtype).float()
-    hi = (lo_code + 1).view(dtype).float()
-    p_up = torch.where(lo < a, (a - lo) / (hi - lo), 0.0)
-    u = torch.rand(a.shape, generator=generator, device=a.device)
-    mag = torch.where(u < p_up, lo_code + 1, lo_code)
-    mag = torch.where(a > fmt.max_normal, codes, mag)  # out of range (bf16/fp16 only): torch's cast
-    signed = torch.where(torch.signbit(y), mag | _SIGN_BITS[nearest.element_size()], mag)
-    return signed.view(dtype)
+    min_exponent = 2 - 2 ** (fmt.exponent_bits - 1)  # 1 - bias
+    q = _stochastic_magnitude(a, fmt.mantissa_bits, min_exponent, generator)
+    q = torch.where(a > fmt.max_normal, a, q)  # out of range (bf16/fp16 only): torch's cast
+    return torch.copysign(q, y).to(dtype)
 
 
 def _round_e2m1(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """``y`` (float32, |y| <= 6) as e2m1 codes (uint8, 0..15; bit 3 the sign)."""
-    grid = torch.tensor(_E2M1_GRID, device=y.device)
+    """``y`` (float32, |y| <= 6) as e2m1 codes (uint8, 0..15; bit 3 the sign).
+
+    e2m1 is a float with 1 mantissa bit, exponents 0..2 and subnormal spacing 0.5, so rounding is that of
+    ``_stochastic_magnitude`` (or round-half-to-even on the same grid), and the code of a grid value q is
+    2q below 1, else 2 * (exponent + 1) + mantissa bit, read from q's float32 bits.
+    """
     a = y.abs()
-    lo = torch.bucketize(a, grid, right=True) - 1  # largest grid point <= a
-    hi = (lo + 1).clamp(max=len(_E2M1_GRID) - 1)
-    # grid neighbours are within a factor 2 of each other, so these differences are exact (Sterbenz)
-    below, above = a - grid[lo], grid[hi] - a
     if rounding == "nearest":
-        up = (above < below) | ((above == below) & (lo % 2 == 1))  # ties to the even code
+        bits = a.view(torch.int32)
+        # round half to even at 1 mantissa bit: add 0x1FFFFF plus the kept lowest bit, clear the 22 low bits
+        q = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & ~0x3FFFFF).view(torch.float32)
+        q = torch.where(a < 1.0, torch.round(a * 2.0) * 0.5, q)  # spacing 0.5 below 1; torch.round: half to even
     else:
-        step = grid[hi] - grid[lo]
-        p_up = torch.where(step > 0, below / torch.where(step > 0, step, 1.0), 0.0)
-        up = torch.rand(a.shape, generator=generator, device=a.device) < p_up
-    code = torch.where(up, hi, lo).to(torch.uint8)
+        q = _stochastic_magnitude(a, 1, 0, generator)
+    q = q.clamp(max=6.0)
+    qbits = q.view(torch.int32)
+    exponent = (qbits >> 23) - 127
+    code = torch.where(q < 1.0, (q * 2.0).to(torch.int32), 2 * (exponent + 1) + ((qbits >> 22) & 1)).to(torch.uint8)
     return torch.where(torch.signbit(y), code | 0x8, code)
 
 
@@ -241,11 +258,22 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return codes[0::2] | (codes[1::2] << 4)
 
 
+_E2M1_BYTES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_byte_table(device: torch.device) -> torch.Tensor:
+    """(256, 2) float32: the two values (low nibble first) of every byte of packed e2m1."""
+    if device not in _E2M1_BYTES:
+        grid = torch.tensor(_E2M1_GRID)
+        nibble = torch.cat([grid, -grid])  # codes 0..15: bit 3 the sign
+        byte = torch.arange(256)
+        _E2M1_BYTES[device] = torch.stack([nibble[byte & 0xF], nibble[byte >> 4]], dim=1).to(device)
+    return _E2M1_BYTES[device]
+
+
 def _decode_e2m1(payload: torch.Tensor, numel: int) -> torch.Tensor:
-    codes = torch.stack([payload & 0xF, payload >> 4], dim=-1).reshape(-1)[:numel]
-    grid = torch.tensor(_E2M1_GRID, device=payload.device)
-    values = grid[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -values, values)
+    table = _e2m1_byte_table(payload.device) if not _is_fake(payload) else torch.zeros(256, 2, device=payload.device)
+    return table[payload.long()].reshape(-1)[:numel]
 
 
 # ------------------------------------------------------------------------------------------------ pack

@@ -101,6 +101,10 @@ def test_stochastic_rounding_is_unbiased(name):
     k, n = 16, 20000
     x = torch.linspace(-0.97, 0.93, k) ** 3 * 3.3 + 0.011  # values off every grid
     x[0] = -3.5  # the absmax, fixed, so every copy has the same scale
+    f = get_format(name)
+    scale = 3.5 / f.max_normal if f.block_scaled else 1.0
+    min_normal = 2.0 ** (2 - 2 ** (f.exponent_bits - 1))
+    x[1:4] = torch.tensor([0.37, -0.61, 0.88]) * min_normal * scale  # in the subnormal range of the format
     data = x.repeat(n)  # n copies, one block each
     gen = torch.Generator().manual_seed(1)
     draws = pack(data, name, block_size=k, rounding="stochastic", generator=gen).dequantize().view(n, k).double()
