@@ -262,6 +262,7 @@ def measure_training_step(
     fake: bool = False,
     device: str | None = None,
     foreach: bool = False,
+    prepare: Callable[[torch.nn.Module], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
 ) -> MemoryReport:
     """Peak live bytes, by category, of one AdamW training step of a causal LM.
 
@@ -277,6 +278,10 @@ def measure_training_step(
         foreach: for policies without a master copy, use torch.optim.AdamW's multi-tensor kernels
             (its CUDA default), whose temporaries span all parameters at once; the default ``False``
             updates one tensor at a time, as ``MasterWeightAdamW`` always does.
+        prepare: instead of the policy's AdamW, ``prepare(model) -> (model to call, optimizer)`` sets up the
+            step (an MVAS store and ``MVASAdamW``, a ``DGRWrapper``...); the model is built in the policy's
+            dtype first, and one step on zero gradients creates the optimizer's state before the tracked step.
+            The report's ``precision`` then reads ``"<policy>+<prepare's __name__>"``.
     """
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:
@@ -303,14 +308,22 @@ def measure_training_step(
     with FakeTensorMode() if fake else contextlib.nullcontext():
         net = builder(device=device, dtype=policy.param_dtype).train()
         vocab_size = net.get_input_embeddings().num_embeddings
-        optimizer = _make_optimizer(net, policy, foreach)
+        if prepare is None:
+            runner, optimizer = net, _make_optimizer(net, policy, foreach)
+        else:
+            runner, optimizer = prepare(net)
+            params = [p for p in net.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
 
         tracker = _tracker_for(net, optimizer, input_ids)
         start = time.perf_counter()
         with tracker:
             tracker.start_phase("forward")
-            output = net(input_ids=input_ids, labels=input_ids)
+            output = runner(input_ids=input_ids, labels=input_ids)
             end_of_forward = dict(tracker.current)
             loss = output.loss
             del output  # a training loop keeps the loss, not the logits
@@ -323,7 +336,7 @@ def measure_training_step(
 
     return MemoryReport(
         model=name,
-        precision=policy.name,
+        precision=policy.name if prepare is None else f"{policy.name}+{getattr(prepare, '__name__', 'prepare')}",
         batch_size=batch_size,
         seq_len=seq_len,
         device=str(device),

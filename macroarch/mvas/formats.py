@@ -40,6 +40,7 @@ ROUNDINGS = ("nearest", "stochastic")
 SCALE_DTYPE = torch.float32
 _SCALE_BYTES = 4
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+CHUNK_NUMEL = 1 << 22  # elements decoded or updated at a time in large tensors (16 MB of float32)
 
 
 @dataclass(frozen=True)
@@ -163,15 +164,43 @@ class PackedTensor:
         return n
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The values as a dense tensor of ``dtype`` (default: the dtype the tensor was packed from)."""
+        """The values as a dense tensor of ``dtype`` (default: the dtype the tensor was packed from).
+
+        Large tensors are decoded in chunks of about ``CHUNK_NUMEL`` elements straight into the output, so the
+        float32 temporaries stay bounded (a 32000 x 8192 embedding would otherwise take 2 GB of them)."""
+        dtype = self.dtype if dtype is None else dtype
+        chunk = self.chunk_numel()
+        if chunk is None or self.numel <= chunk:
+            return self.dequantize_range(0, self.numel).reshape(self.shape).to(dtype)
+        out = torch.empty(self.numel, dtype=dtype, device=self.payload.device)
+        for start in range(0, self.numel, chunk):
+            stop = min(start + chunk, self.numel)
+            out[start:stop] = self.dequantize_range(start, stop)
+        return out.view(self.shape)
+
+    def chunk_numel(self) -> int | None:
+        """Elements per chunk that cut the payload and the scales at whole bytes and blocks (None: cannot)."""
+        block = self.block_size if self.scales is not None else 1
+        if block is None:  # one scale for the whole tensor
+            block = 1
+        unit = block * 2 // math.gcd(block, 2)  # whole blocks and whole fp4 bytes
+        return max(unit, CHUNK_NUMEL // unit * unit)
+
+    def dequantize_range(self, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the flattened tensor as float32 (a new tensor, never a view of the payload);
+        ``start`` must be a multiple of ``chunk_numel()``'s unit (whole blocks, whole fp4 bytes)."""
         fmt = get_format(self.format)
         if fmt.name == "fp4_e2m1":
-            values = _decode_e2m1(self.payload, self.numel)
+            values = _decode_e2m1(self.payload[start // 2:(stop + 1) // 2], stop - start)
         else:
-            values = self.payload.to(torch.float32, copy=True)  # never a view of the payload
+            values = self.payload[start:stop].to(torch.float32, copy=True)
         if self.scales is not None and values.numel():
-            values = (values.view(self.scales.numel(), -1) * self.scales[:, None]).reshape(-1)
-        return values.reshape(self.shape).to(self.dtype if dtype is None else dtype)
+            if self.block_size is None:
+                values = values * self.scales[0]
+            else:
+                scales = self.scales[start // self.block_size:stop // self.block_size]
+                values = (values.view(scales.numel(), -1) * scales[:, None]).reshape(-1)
+        return values
 
     def to_dict(self) -> dict[str, Any]:
         """Tensors and plain values only, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it."""
@@ -314,6 +343,22 @@ def pack(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32, r
     else:
         payload = _round_elementwise(y, fmt, rounding, generator)
     return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, block_size, payload, scales.to(SCALE_DTYPE))
+
+
+def write_range(payload: torch.Tensor, scales: torch.Tensor | None, packed: PackedTensor, start: int,
+                stop: int) -> None:
+    """Copy ``packed`` (elements ``start:stop`` of a larger flat tensor, packed alone with the same format and
+    block size) into that tensor's ``payload`` and ``scales`` in place. The range must cover whole blocks and,
+    for fp4, whole bytes; with one scale per tensor it must be the whole tensor."""
+    if packed.format == "fp4_e2m1":
+        payload[start // 2:start // 2 + packed.payload.numel()].copy_(packed.payload)
+    else:
+        payload.view(-1)[start:stop].copy_(packed.payload)
+    if packed.scales is not None:
+        if packed.block_size is None:
+            scales.copy_(packed.scales)
+        else:
+            scales[start // packed.block_size:stop // packed.block_size].copy_(packed.scales)
 
 
 def unpack(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

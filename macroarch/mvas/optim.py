@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from macroarch.mvas.formats import PackedTensor, get_format, pack
+from macroarch.mvas import formats
+from macroarch.mvas.formats import PackedTensor, get_format, pack, write_range
 
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
 
@@ -39,6 +40,12 @@ def _min_subnormal(fmt_name: str) -> float:
     fmt = get_format(fmt_name)
     bias = 2 ** (fmt.exponent_bits - 1) - 1
     return 2.0 ** (1 - bias - fmt.mantissa_bits)
+
+
+def _unit(entry: Any) -> int:
+    """Smallest piece of a packed weight that can be re-packed alone: a whole block, and whole fp4 bytes."""
+    block = entry.plan.block_size if get_format(entry.plan.format).block_scaled else 1
+    return math.lcm(block or 1, 2 if entry.plan.format == "fp4_e2m1" else 1)
 
 
 class MVASAdamW(torch.optim.Optimizer):
@@ -98,38 +105,54 @@ class MVASAdamW(torch.optim.Optimizer):
     def _packed_state(state: dict) -> bool:
         return state["exp_avg"].dtype != torch.float32
 
-    def _store(self, state: dict, key: str, value: torch.Tensor) -> None:
-        packed = pack(value, self.state_format, self.state_block_size)
-        state[key] = packed.payload
-        if packed.scales is not None:
-            state[key + "_scales"] = packed.scales
-
-    def _load(self, p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
+    def _load(self, state: dict, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of a moment as float32: a view of dense state (updated in place), or decoded."""
         value = state[key]
         if not self._packed_state(state):
-            return value  # dense fp32 moments, updated in place
+            return value.view(-1)[start:stop]
         fmt = get_format(self.state_format)
         block = self.state_block_size if fmt.block_scaled else None
         scales = state.get(key + "_scales")
-        dense = PackedTensor(fmt.name, tuple(p.shape), torch.float32, block, value, scales).dequantize()
+        packed = PackedTensor(fmt.name, (state["numel"],), torch.float32, block, value, scales)
+        dense = packed.dequantize_range(start, stop)
         if key == "exp_avg_sq" and scales is not None:  # sqrt(v) that underflowed reads back as its block's floor
-            floor = (scales * _min_subnormal(fmt.name)).repeat_interleave(block).view(p.shape)
-            dense = torch.maximum(dense, floor)
+            floor = scales[start // block:stop // block] * _min_subnormal(fmt.name)
+            dense = torch.maximum(dense.view(floor.numel(), -1), floor[:, None]).view(-1)
         return dense
+
+    def _store(self, state: dict, key: str, start: int, stop: int, value: torch.Tensor) -> None:
+        packed = pack(value, self.state_format, self.state_block_size)
+        write_range(state[key], state.get(key + "_scales"), packed, start, stop)
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         state["step"] = torch.tensor(0.0)
-        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         if self._quantised(p):
-            self._store(state, "exp_avg", zeros)
-            self._store(state, "exp_avg_sq", zeros)
+            fmt = get_format(self.state_format)
+            n = p.numel()
+            state["numel"] = n
+            for key in ("exp_avg", "exp_avg_sq"):  # zero codes and zero scales read back as zeros
+                state[key] = torch.zeros((n + 1) // 2 if fmt.name == "fp4_e2m1" else n, dtype=fmt.storage_dtype,
+                                         device=p.device)
+                if fmt.block_scaled:
+                    state[key + "_scales"] = torch.zeros(n // self.state_block_size, device=p.device)
         else:
-            state["exp_avg"], state["exp_avg_sq"] = zeros, zeros.clone()
+            state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         entry = getattr(p, "_mvas_entry", None)
         if entry is not None and self.master_weights:
             state["master"] = entry.dense(torch.float32)
         return state
+
+    def _chunk(self, p: torch.Tensor, state: dict) -> int:
+        """Elements updated at a time: whole blocks of the moments and of the packed weight, about CHUNK_NUMEL."""
+        unit = self.state_block_size if self._packed_state(state) else 1
+        entry = getattr(p, "_mvas_entry", None)
+        if entry is not None:
+            if entry.plan.block_size is None and get_format(entry.plan.format).block_scaled:
+                return p.numel()  # one scale for the whole tensor: it cannot be re-packed in pieces
+            unit = math.lcm(unit, _unit(entry))
+        return max(unit, formats.CHUNK_NUMEL // unit * unit)
 
     # ------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -148,30 +171,38 @@ class MVASAdamW(torch.optim.Optimizer):
                 state = self.state[p] if self.state[p] else self._init_state(p)
                 state["step"] += 1
                 t = float(state["step"])
-                g = p.grad.float()
-                packed_state = self._packed_state(state)
-                m = self._load(p, state, "exp_avg")
-                v = self._load(p, state, "exp_avg_sq")
-                if packed_state:
-                    v.square_()  # stored as sqrt(v)
-                m.lerp_(g, 1.0 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                denom = (v.sqrt() / math.sqrt(1.0 - beta2 ** t)).add_(eps)
+                bias1, bias2 = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
                 entry = getattr(p, "_mvas_entry", None)
-                if entry is not None:
-                    w = state["master"] if "master" in state else entry.dense(torch.float32)
-                else:
-                    w = p if p.dtype == torch.float32 else p.float()
-                w.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / (1.0 - beta1 ** t))
-                if entry is not None:
-                    rounding = "nearest" if "master" in state else self.rounding
-                    entry.set_packed(pack(w, entry.plan.format, entry.plan.block_size, rounding,
-                                          self._generator(w.device) if rounding == "stochastic" else None))
-                elif w is not p:
-                    p.copy_(w)
-                if packed_state:
-                    self._store(state, "exp_avg", m)
-                    self._store(state, "exp_avg_sq", v.sqrt_())
+                rounding = "nearest" if "master" in state else self.rounding
+                generator = self._generator(p.device) if entry is not None and rounding == "stochastic" else None
+                packed_state = self._packed_state(state)
+                grad, flat_p = p.grad.reshape(-1), p.view(-1) if entry is None else None
+                chunk, n = self._chunk(p, state), p.numel()
+                # large tensors are updated a chunk at a time: the float32 temporaries of the update (about ten
+                # of them) stay bounded instead of growing with the tensor
+                for start in range(0, n, chunk):
+                    stop = min(start + chunk, n)
+                    g = grad[start:stop].float()
+                    m = self._load(state, "exp_avg", start, stop)
+                    v = self._load(state, "exp_avg_sq", start, stop)
+                    if packed_state:
+                        v.square_()  # stored as sqrt(v)
+                    m.lerp_(g, 1.0 - beta1)
+                    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                    denom = (v.sqrt() / bias2).add_(eps)
+                    if entry is not None:
+                        w = (state["master"].view(-1)[start:stop] if "master" in state
+                             else entry.packed().dequantize_range(start, stop))
+                    else:
+                        w = flat_p[start:stop] if p.dtype == torch.float32 else flat_p[start:stop].float()
+                    w.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / bias1)
+                    if entry is not None:
+                        entry.write_range(start, stop, w, rounding, generator)
+                    elif p.dtype != torch.float32:
+                        flat_p[start:stop] = w
+                    if packed_state:
+                        self._store(state, "exp_avg", start, stop, m)
+                        self._store(state, "exp_avg_sq", start, stop, v.sqrt_())
         return loss
 
     # ------------------------------------------------------------------------------------------- state

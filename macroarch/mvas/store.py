@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch.mvas.formats import FORMATS, PackedTensor, dtype_format, get_format, pack
+from macroarch.mvas.formats import FORMATS, PackedTensor, dtype_format, get_format, pack, write_range
 from macroarch.mvas.policy import PrecisionPlan, TensorPlan
 
 PAYLOAD_SUFFIX = "__mvas_payload"
@@ -146,6 +146,17 @@ class _Entry:
             old_scales.copy_(packed.scales)
         else:
             module._buffers[key] = packed.scales
+        self.version += 1
+
+
+    def write_range(self, start: int, stop: int, values: torch.Tensor, rounding: str = "nearest",
+                    generator: torch.Generator | None = None) -> None:
+        """Re-pack elements ``start:stop`` of the flattened weight in place; the range must cover whole blocks
+        (and whole bytes of fp4), so its scales are its own."""
+        packed = pack(values, self.plan.format, self.plan.block_size, rounding, generator)
+        module, attr = self.owners[0]
+        write_range(module._buffers[attr + PAYLOAD_SUFFIX], module._buffers.get(attr + SCALES_SUFFIX), packed,
+                    start, stop)
         self.version += 1
 
 

@@ -182,3 +182,27 @@ def test_quantization_error_is_the_squared_error_of_round_to_nearest():
     ref = (pack(x, "fp8_e4m3").dequantize().double() - x.double()).square().sum().item()
     assert errors["fp8_e4m3"] == pytest.approx(ref, rel=1e-12)
     assert quantization_error(x, "fp32") == 0.0
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("block_size", [32, None])
+def test_chunked_decoding_and_writing_equal_the_whole_tensor(name, block_size, monkeypatch):
+    from macroarch.mvas import formats
+    from macroarch.mvas.formats import write_range
+
+    x = _sample((6, 160))  # 960 elements: 30 blocks of 32
+    whole = pack(x, name, block_size)
+    monkeypatch.setattr(formats, "CHUNK_NUMEL", 64)
+    assert whole.chunk_numel() == 64
+    assert torch.equal(whole.dequantize(), pack(x, name, block_size).dequantize())
+    monkeypatch.undo()
+    expected = whole.dequantize()
+    monkeypatch.setattr(formats, "CHUNK_NUMEL", 64)
+    assert torch.equal(whole.dequantize(), expected)  # decoded in 15 chunks
+    if block_size is None and get_format(name).block_scaled:
+        return  # one scale per tensor: written whole only
+    target = pack(torch.zeros_like(x), name, block_size)
+    flat = x.reshape(-1)
+    for start in range(0, flat.numel(), 64):
+        write_range(target.payload, target.scales, pack(flat[start:start + 64], name, block_size), start, start + 64)
+    assert torch.equal(target.dequantize(), expected)

@@ -188,3 +188,26 @@ def test_lr_schedulers_drive_it():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MVASAdamW(nn.Linear(2, 2).parameters(), **kwargs)
+
+
+def test_large_tensors_are_updated_in_chunks_with_the_same_result(monkeypatch):
+    from macroarch.mvas import formats
+
+    def run():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False))
+        store = apply(net, plan_from_rules(net, [("0.*", "fp4"), ("1.*", "bf16")], block_size=32, min_numel=0))
+        params = list(net.parameters())
+        opt = MVASAdamW(params, rounding="nearest", state_block_size=32, min_state_numel=0, **KW)
+        _run(opt, params, _grads(params, 5))
+        return store, opt, params
+
+    store, opt, params = run()
+    monkeypatch.setattr(formats, "CHUNK_NUMEL", 64)  # 96 chunks per tensor
+    assert opt._chunk(params[0], opt.state[params[0]]) == 64
+    chunked_store, chunked_opt, chunked = run()
+    for name in store.entries:
+        assert torch.equal(store.dense(name), chunked_store.dense(name))
+    for a, b in zip(params, chunked):
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scales"):
+            assert torch.equal(opt.state[a][key].view(torch.uint8), chunked_opt.state[b][key].view(torch.uint8))
