@@ -1,6 +1,7 @@
 """A plain causal-LM training loop and evaluation, shared by notebooks and benchmarks.
 
-``train_lm`` is the loop every comparison here needs: forward with labels, ``loss.backward()``,
+``train_lm`` is the loop every comparison here needs (``train_round_robin`` runs several in lock step):
+forward with labels, ``loss.backward()``,
 ``optimizer.step()``, ``zero_grad``, with the wall time of each step (forward to end of step) and an optional
 callback after each step (an MVAS schedule, a scheduler). ``evaluate_lm`` gives the token-weighted mean
 cross-entropy and the next-token accuracy (the argmax of the logits at position t equals the token at t + 1)
@@ -9,8 +10,9 @@ on held-out batches, with gradients off and the model in eval mode (restored aft
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,18 +51,46 @@ def train_lm(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterab
     log = TrainLog()
     model.train()
     for step, (input_ids, labels) in enumerate(tqdm(batches, desc=desc, mininterval=mininterval, disable=desc is None)):
-        start = time.perf_counter()
-        loss = model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log.seconds.append(time.perf_counter() - start)
-        log.losses.append(loss.item())
-        if not torch.isfinite(torch.tensor(log.losses[-1])):
-            raise FloatingPointError(f"training loss is {log.losses[-1]} at step {step}")
+        loss, seconds = _one_step(model, optimizer, input_ids, labels)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss} at step {step}")
+        log.losses.append(loss)
+        log.seconds.append(seconds)
         if after_step is not None:
-            after_step(step, log.losses[-1])
+            after_step(step, loss)
     return log
+
+
+def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor,
+              labels: torch.Tensor) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item(), time.perf_counter() - start
+
+
+def train_round_robin(runs: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]],
+                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                      after_step: Mapping[str, Callable[[int, float], Any]] | None = None, desc: str | None = None,
+                      mininterval: float = 10.0) -> dict[str, TrainLog]:
+    """Train several ``(model, optimizer)`` pairs on the same batches, one step of each in turn, so that load
+    from other processes on a shared machine hits all of them alike and their step times compare fairly."""
+    logs = {name: TrainLog() for name in runs}
+    after_step = after_step or {}
+    for model, _ in runs.values():
+        model.train()
+    for step, (input_ids, labels) in enumerate(tqdm(batches, desc=desc, mininterval=mininterval, disable=desc is None)):
+        for name, (model, optimizer) in runs.items():
+            loss, seconds = _one_step(model, optimizer, input_ids, labels)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"{name}: training loss is {loss} at step {step}")
+            logs[name].losses.append(loss)
+            logs[name].seconds.append(seconds)
+            if name in after_step:
+                after_step[name](step, loss)
+    return logs
 
 
 @torch.no_grad()

@@ -23,11 +23,14 @@ from macroarch.memory.master_adamw import MasterWeightAdamW
 from macroarch.memory.measured import (
     CATEGORIES,
     PHASES,
+    STATE_CATEGORIES,
     MemoryReport,
     PhasePeak,
     StepMemory,
+    extrapolate_by_depth,
     measure_step,
     measure_training_step,
+    training_bytes,
 )
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "CATEGORIES",
     "PHASES",
     "PRECISIONS",
+    "STATE_CATEGORIES",
     "ActivationTerm",
     "MasterWeightAdamW",
     "MemoryReport",
@@ -43,11 +47,13 @@ __all__ = [
     "StepMemory",
     "activation_bytes",
     "activation_terms",
+    "extrapolate_by_depth",
     "format_bytes",
     "get_precision",
     "korthikanti_activation_bytes",
     "measure_step",
     "measure_training_step",
     "parameter_count",
+    "training_bytes",
     "training_state_bytes",
 ]

@@ -378,3 +378,50 @@ def measure_step(step: Callable[[], Any], model: torch.nn.Module, optimizer: tor
         step()
     return StepMemory(peak_bytes=tracker.peak.peak_bytes, by_category=dict(tracker.peak.by_category),
                       max_by_category=dict(tracker.max_by_category), seconds=time.perf_counter() - start)
+
+
+STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state", "master_weights")
+
+
+def training_bytes(report: MemoryReport) -> dict[str, int]:
+    """What a training step needs held at once, by category: the state (each category's maximum over the step:
+    weights, gradients, optimizer state, master copies) and the activations alive when the forward pass ends."""
+    out = {k: report.max_by_category[k] for k in STATE_CATEGORIES}
+    out["activations"] = report.end_of_forward["activations"]
+    return out
+
+
+def extrapolate_by_depth(reports: dict[int, MemoryReport], n_layers: int,
+                         constant: tuple[str, ...] = ()) -> dict[str, int]:
+    """``training_bytes`` of an ``n_layers`` model from measurements of the same model at smaller depths.
+
+    Every category is affine in the number of identical layers (embeddings and head are the constant term;
+    with DGR the gradients of the largest group are constant once there are two layers), so two depths fix
+    it: ``b(L) = b(l1) + (L - l1) * (b(l2) - b(l1)) / (l2 - l1)``. With three or more depths the increments
+    must agree (ValueError naming the category if not), which checks the assumption on the spot.
+
+    Categories in ``constant`` are a maximum over per-layer pieces instead (gradients under DGR: the largest
+    group's), the same at every depth past the first: the deepest measurement is taken, and with three or more
+    depths the two deepest must agree.
+    """
+    depths = sorted(reports)
+    if len(depths) < 2:
+        raise ValueError(f"extrapolate_by_depth needs reports at two or more depths; got {depths}")
+    bytes_at = {d: training_bytes(reports[d]) for d in depths}
+    (l1, l2), out = depths[:2], {}
+    for key in bytes_at[l1]:
+        if key in constant:
+            deepest = bytes_at[depths[-1]][key]
+            if len(depths) >= 3 and bytes_at[depths[-2]][key] != deepest:
+                raise ValueError(f"{key}: not constant in depth ({bytes_at[depths[-2]][key]} at {depths[-2]} layers, "
+                                 f"{deepest} at {depths[-1]})")
+            out[key] = deepest
+            continue
+        slope = (bytes_at[l2][key] - bytes_at[l1][key]) / (l2 - l1)
+        for d in depths[2:]:
+            predicted = bytes_at[l1][key] + (d - l1) * slope
+            if abs(predicted - bytes_at[d][key]) > 1e-6 * max(1, bytes_at[d][key]):
+                raise ValueError(f"{key}: bytes are not affine in depth (predicted {predicted:.0f} at {d} layers, "
+                                 f"measured {bytes_at[d][key]})")
+        out[key] = round(bytes_at[l1][key] + (n_layers - l1) * slope)
+    return out

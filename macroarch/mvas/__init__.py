@@ -59,8 +59,9 @@ from macroarch.mvas.policy import (
     plan_from_rules,
     read_precision_policy,
     split_rules,
+    transfer_plan,
 )
-from macroarch.mvas.schedule import MVASSchedule, PlanChange, expected_rounding_error
+from macroarch.mvas.schedule import MVASSchedule, PlanChange, expected_rounding_error, importance_plan
 from macroarch.mvas.store import MVASStore, apply, is_packed_buffer
 
 __all__ = [
@@ -76,9 +77,11 @@ __all__ = [
     "expected_rounding_error",
     "fisher_diagonal",
     "hutchinson_diagonal",
+    "importance_plan",
     "is_packed_buffer",
     "sensitivity",
     "tensor_importance",
+    "transfer_plan",
     "CLIP_TOWERS",
     "DEFAULT_KEEP_PATTERNS",
     "FORMATS",

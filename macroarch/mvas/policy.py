@@ -33,6 +33,7 @@ formats use ``block_size``; a tensor whose element count it does not divide gets
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,3 +366,63 @@ def _sensitivities(name: str, t: torch.Tensor, formats: Sequence[str],
     if missing:
         raise ValueError(f"sensitivity[{name!r}] has no value for format(s) {missing}")
     return given
+
+
+# -------------------------------------------------------------------------------------------- transfer
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def transfer_plan(plan: PrecisionPlan, tensors: NamedTensors, *, depth: str = "relative", min_numel: int = MIN_NUMEL,
+                  keep_patterns: Sequence[str] = DEFAULT_KEEP_PATTERNS) -> PrecisionPlan:
+    """``plan`` (made for a small model) carried over to a deeper/wider model of the same family, by role.
+
+    A tensor of the layer stack (a name with a ``.<i>.`` index) takes the format of the same tensor of the plan:
+    with ``depth="relative"``, of layer ``round(i * (l - 1) / (L - 1))`` of the plan's ``l`` layers (``L`` the
+    target's); with ``depth="uniform"``, the format holding most elements of that role over all the plan's
+    layers, the same in every layer (so bytes grow by the same amount per layer, which ``extrapolate_by_depth``
+    needs). Tensors outside the stack (embeddings, head) take the format of the tensor of the same name. Used to
+    size a full-scale model (Llama-65B under fake tensors, where no importance can be measured) with the
+    precision mix measured on a small one. Tensors that ``min_numel``/``keep_patterns`` keep, or that the plan
+    keeps in their own dtype, keep theirs.
+    """
+    if depth not in ("relative", "uniform"):
+        raise ValueError(f"depth={depth!r} must be 'relative' or 'uniform'")
+    by_name = {t.name: t for t in plan.tensors}
+    source_layers = sorted({int(m.group(1)) for t in plan.tensors if (m := _LAYER_INDEX.search(t.name))})
+    roles: dict[str, dict[tuple[str, int | None, bool], int]] = {}  # role -> (format, block, kept) -> elements
+    for t in plan.tensors:
+        if m := _LAYER_INDEX.search(t.name):
+            role = t.name[:m.start()] + ".*." + t.name[m.end():]
+            key = (t.format, t.block_size, t.format == dtype_format(t.dtype).name)
+            roles.setdefault(role, {}).setdefault(key, 0)
+            roles[role][key] += t.numel
+    items = _named_tensors(tensors)
+    target_layers = sorted({int(m.group(1)) for name, _ in items if (m := _LAYER_INDEX.search(name))})
+    entries = []
+    for name, t in items:
+        if (why := _kept(name, t.numel(), min_numel, keep_patterns)) is not None:
+            entries.append(_keep_entry(name, t, why))
+            continue
+        m = _LAYER_INDEX.search(name)
+        if m and depth == "uniform":
+            role = name[:m.start()] + ".*." + name[m.end():]
+            if role not in roles:
+                raise ValueError(f"transfer_plan: the plan has no tensor of role {role!r} (for {name!r})")
+            (fmt, block, kept), _ = max(roles[role].items(), key=lambda kv: kv[1])
+            entries.append(_keep_entry(name, t, f"as most of {role}") if kept else
+                           _entry(name, t, fmt, block, f"as most of {role}"))
+            continue
+        source_name = name
+        if m and source_layers and target_layers:
+            i, n_target, n_source = int(m.group(1)), len(target_layers), len(source_layers)
+            j = source_layers[round(target_layers.index(i) * (n_source - 1) / max(1, n_target - 1))]
+            source_name = name[:m.start()] + f".{j}." + name[m.end():]
+        source = by_name.get(source_name)
+        if source is None:
+            raise ValueError(f"transfer_plan: no tensor {source_name!r} in the plan for {name!r}: the plan must come "
+                             "from a model of the same family (same names outside the layer index)")
+        if source.format == dtype_format(source.dtype).name:
+            entries.append(_keep_entry(name, t, f"as {source_name}"))
+        else:
+            entries.append(_entry(name, t, source.format, source.block_size, f"as {source_name}"))
+    return PrecisionPlan(tuple(entries))

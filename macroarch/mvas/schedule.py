@@ -33,7 +33,15 @@ import torch
 
 from macroarch.mvas.formats import get_format
 from macroarch.mvas.importance import FisherDiagonal
-from macroarch.mvas.policy import PrecisionPlan, plan_for_budget
+from macroarch.mvas.policy import (
+    DEFAULT_KEEP_PATTERNS,
+    MIN_NUMEL,
+    NamedTensors,
+    PrecisionPlan,
+    _kept,
+    _named_tensors,
+    plan_for_budget,
+)
 from macroarch.mvas.store import MVASStore
 
 
@@ -64,6 +72,34 @@ def expected_rounding_error(w: torch.Tensor, fmt: str, block_size: int | None = 
     exponent = torch.floor(torch.log2(y.clamp_min(torch.finfo(torch.float32).tiny))).clamp_min(min_exponent)
     spacing = torch.exp2(exponent - fmt_.mantissa_bits) * scale
     return (spacing.square() / 12).view(w.shape)
+
+
+@torch.no_grad()
+def importance_plan(tensors: NamedTensors, importance: Mapping[str, torch.Tensor], *,
+                    target_bytes: int | None = None, weight_bytes: float | None = None,
+                    formats: Sequence[str] = ("fp16", "fp8_e4m3", "fp4_e2m1"), block_size: int | None = 32,
+                    min_numel: int = MIN_NUMEL, keep_patterns: Sequence[str] = DEFAULT_KEEP_PATTERNS) -> PrecisionPlan:
+    """The budget plan (``plan_for_budget``) with HAWQ sensitivity from ``importance`` (a diagonal per tensor:
+    Fisher, Hutchinson) and each format's *expected* rounding error (``expected_rounding_error``).
+
+    Give ``target_bytes`` for all tensors, or ``weight_bytes``: the mean bytes per element of the tensors that
+    are not kept (``min_numel``, ``keep_patterns``), the kept ones costing their own dtype.
+    """
+    items = dict(_named_tensors(tensors))
+    eligible = {n: t for n, t in items.items() if _kept(n, t.numel(), min_numel, keep_patterns) is None}
+    if (target_bytes is None) == (weight_bytes is None):
+        raise ValueError("give exactly one of target_bytes and weight_bytes")
+    if weight_bytes is not None:
+        kept = sum(t.numel() * t.element_size() for n, t in items.items() if n not in eligible)
+        target_bytes = int(weight_bytes * sum(t.numel() for t in eligible.values())) + kept
+    missing = [n for n in eligible if n not in importance]
+    if missing:
+        raise ValueError(f"importance has no diagonal for {len(missing)} tensors to plan, e.g. {missing[0]!r}")
+    formats = [get_format(f).name for f in formats]
+    sens = {n: {f: 0.5 * float((importance[n].double() * expected_rounding_error(
+        t, f, _block_for(t.numel(), f, block_size)).double()).sum()) for f in formats} for n, t in eligible.items()}
+    return plan_for_budget(items, sens, target_bytes=target_bytes, formats=formats, block_size=block_size,
+                           min_numel=min_numel, keep_patterns=keep_patterns)
 
 
 @dataclass(frozen=True)
@@ -130,16 +166,10 @@ class MVASSchedule:
                              "have had no gradient; raise warmup")
         return {n: diag[n] for n in self.store.entries}
 
-    @torch.no_grad()
     def plan(self) -> PrecisionPlan:
         """The budget plan for the managed tensors from the current importance and weights."""
-        weights = {n: self.store.dense(n, torch.float32) for n in self.store.entries}
-        importance = self.importance()
-        sens = {n: {f: 0.5 * float((importance[n].double() * expected_rounding_error(
-            w, f, _block_for(w.numel(), f, self.block_size)).double()).sum()) for f in self.formats}
-            for n, w in weights.items()}
-        tensors = {n: w.to(self.store.entries[n].compute_dtype) for n, w in weights.items()}
-        managed = plan_for_budget(tensors, sens, target_bytes=self.target_bytes, formats=self.formats,
+        weights = {n: self.store.dense(n) for n in self.store.entries}
+        managed = importance_plan(weights, self.importance(), target_bytes=self.target_bytes, formats=self.formats,
                                   block_size=self.block_size, min_numel=0, keep_patterns=())
         new = {t.name: t for t in managed.tensors}
         return PrecisionPlan(tuple(new.get(t.name, t) for t in self.store.plan.tensors),

@@ -190,3 +190,51 @@ def test_budget_inputs_are_checked():
         plan_for_budget(tensors, {"w0": dict.fromkeys(HIGH, 0.0)}, target_reduction=0.5)
     with pytest.raises(ValueError, match="meta/fake"):
         plan_for_budget({"w": torch.empty(8192, device="meta")}, target_reduction=0.5)
+
+
+def _llama(n_layers):
+    from macroarch.models import get_model_spec
+
+    return get_model_spec("llama_65b_tiny").scaled(n_layers=n_layers).build()
+
+
+def test_transfer_plan_by_relative_depth_and_by_role():
+    from macroarch.mvas import transfer_plan
+
+    small, big = _llama(4), _llama(7)
+    rules = [("*layers.0.*", "fp16"), ("*layers.3.*", "fp4"), ("*mlp*", "fp8_e5m2"), ("*embed*", "fp16")]
+    plan = plan_from_rules(small, rules, min_numel=1024)
+    relative = transfer_plan(plan, big, min_numel=1024)
+    # layer i of 7 takes layer round(i * 3 / 6) of 4
+    for i, j in enumerate([0, 0, 1, 2, 2, 2, 3]):
+        for role in ("self_attn.q_proj.weight", "mlp.up_proj.weight"):
+            assert relative[f"model.layers.{i}.{role}"].format == plan[f"model.layers.{j}.{role}"].format
+    assert relative["model.embed_tokens.weight"].format == "fp16"
+    assert relative["lm_head.weight"].format == "fp32"  # kept in its own dtype in the plan, so here too
+    assert relative["model.layers.3.input_layernorm.weight"].format == "fp32"  # a norm: kept
+    uniform = transfer_plan(plan, big, depth="uniform", min_numel=1024)
+    # mlp: fp16 (layer 0), e5m2 (1, 2), fp4 (3) -> e5m2 holds most elements; attention: fp16, kept, kept, fp4 -> kept
+    assert {uniform[f"model.layers.{i}.mlp.up_proj.weight"].format for i in range(7)} == {"fp8_e5m2"}
+    assert {uniform[f"model.layers.{i}.self_attn.q_proj.weight"].format for i in range(7)} == {"fp32"}
+    with pytest.raises(ValueError, match="depth="):
+        transfer_plan(plan, big, depth="deepest")
+    with pytest.raises(ValueError, match="same family"):
+        transfer_plan(plan, {"encoder.weight": torch.zeros(4096)})
+
+
+def test_importance_plan_spends_the_budget_on_important_tensors():
+    from macroarch.mvas import importance_plan
+
+    model = _llama(2)
+    named = dict(model.named_parameters())
+    star = "model.layers.1.mlp.down_proj.weight"
+    importance = {n: torch.full(p.shape, 1e3 if n == star else 1e-3) for n, p in named.items()}
+    plan = importance_plan(named, importance, weight_bytes=0.8, min_numel=1024)
+    assert plan[star].format == "fp16"
+    eligible = [t for t in plan.tensors if not t.reason.startswith("kept")]
+    kept = sum(t.nbytes for t in plan.tensors if t.reason.startswith("kept"))
+    assert plan.bytes() <= 0.8 * sum(t.numel for t in eligible) + kept
+    with pytest.raises(ValueError, match="exactly one of"):
+        importance_plan(named, importance)
+    with pytest.raises(ValueError, match="no diagonal"):
+        importance_plan(named, {}, weight_bytes=1.0)
