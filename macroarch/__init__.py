@@ -7,6 +7,9 @@
 - ``models``: named model builders (full-size for fake tensors, tiny to train here; BERT masked-LM);
 - ``analysis``: gradient norms through depth, variance estimators, the clipping probe, HC/mHC blocks;
 - ``dgr``: DGR, the post's dynamic graph reorganisation (groups, in-backward updates, delay compensation);
+- ``mvas``: MVAS, parameters and optimizer state stored in fp16/fp8/fp4 by importance, served just in time;
+- ``comm``: GradientBucketer (fixed-size gradient buckets over torch.distributed, windows, timeouts), the ZeRO-3
+  communication model, torchrun-style launches;
 - ``data``: the local byte-level text corpus and its batches.
 
 Names are imported lazily, so ``import macroarch`` (and the CLI) does not pay for torch until it is used.
@@ -49,6 +52,14 @@ _EXPORTS = {
     "minibatch_gradient_variance": "macroarch.analysis",
     "DGRWrapper": "macroarch.dgr",
     "GradientCompensator": "macroarch.dgr",
+    "MVASAdamW": "macroarch.mvas",
+    "MVASSchedule": "macroarch.mvas",
+    "GradientBucketer": "macroarch.comm",
+    "CollectiveError": "macroarch.comm",
+    "ddp_with_buckets": "macroarch.comm",
+    "zero3_step": "macroarch.comm",
+    "Cluster": "macroarch.comm",
+    "launch": "macroarch.comm",
     "ensure_corpus": "macroarch.data",
     "load_corpus": "macroarch.data",
 }

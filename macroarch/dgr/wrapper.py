@@ -161,6 +161,12 @@ class DGRWrapper(nn.Module):
                                        **optimizer_kwargs)
         return self._optimizer
 
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether ``optimizer()`` has been called: its gradient hooks then step each group during backward
+        (something that must act on gradients first, a bucketer's all-reduce, has to be set up before)."""
+        return self._optimizer is not None
+
     def describe(self) -> str:
         """The group table (``Grouping.describe``)."""
         if self.grouping is None:

@@ -1,0 +1,8 @@
+"""tests/comm: ``dist_checks`` (the functions launched ranks run) importable here and in the launched ranks."""
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
