@@ -8,6 +8,8 @@
 - ``analysis``: gradient norms through depth, variance estimators, the clipping probe, HC/mHC blocks;
 - ``dgr``: DGR, the post's dynamic graph reorganisation (groups, in-backward updates, delay compensation);
 - ``mvas``: MVAS, parameters and optimizer state stored in fp16/fp8/fp4 by importance, served just in time;
+- ``optim``: CompensatedAdamW (fp32 master from 4 accumulation steps, the 2^5 / max_grad_norm scale, DC-ASGD,
+  loss-spike guard) and the LR/warmup recipe;
 - ``comm``: GradientBucketer (fixed-size gradient buckets over torch.distributed, windows, timeouts), the ZeRO-3
   communication model, torchrun-style launches;
 - ``data``: the local byte-level text corpus and its batches.
@@ -54,6 +56,10 @@ _EXPORTS = {
     "GradientCompensator": "macroarch.dgr",
     "MVASAdamW": "macroarch.mvas",
     "MVASSchedule": "macroarch.mvas",
+    "CompensatedAdamW": "macroarch.optim",
+    "LossSpikeGuard": "macroarch.optim",
+    "NormGradScaler": "macroarch.optim",
+    "recipe_scheduler": "macroarch.optim",
     "GradientBucketer": "macroarch.comm",
     "CollectiveError": "macroarch.comm",
     "ddp_with_buckets": "macroarch.comm",

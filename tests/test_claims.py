@@ -112,3 +112,27 @@ def test_unknown_claim_ids_are_named():
     with pytest.raises(ConfigError, match="'C42'"):
         parse_claim_ids("C4,C42")
     assert parse_claim_ids("c4, r1") == ["C4", "R1"]
+
+
+def test_c8_rule_asks_whether_four_is_where_the_master_copy_starts_to_matter():
+    c8 = get_claim("C8")
+    base = dict(master_copy_noise=0.001, scale_rule_vs_gradscaler=1.0)
+    assert c8.grade(dict(base, master_copy_loss_gain=0.03, master_copy_loss_gain_below_4=0.001), scale="s").grade \
+        == "reproduced"
+    assert c8.grade(dict(base, master_copy_loss_gain=0.03, master_copy_loss_gain_below_4=0.03), scale="s").grade \
+        == "partially"
+    within_noise = c8.grade(dict(base, master_copy_loss_gain=0.001, master_copy_loss_gain_below_4=0.0), scale="s")
+    assert within_noise.grade == "partially" and "master copy not reproduced" in within_noise.note  # scale rule holds
+    assert "master copy contradicted" in c8.grade(dict(base, master_copy_loss_gain=-0.01,
+                                                       master_copy_loss_gain_below_4=0.0), scale="s").note
+
+
+def test_c10_rule_lets_the_seed_interval_decide_outside_the_range():
+    c10 = get_claim("C10")
+    assert c10.grade(dict(best_lr_multiplier=1.3), scale="s").grade == "reproduced"
+    assert c10.grade(dict(best_lr_multiplier=0.6, best_lr_multiplier_lo=0.5, best_lr_multiplier_hi=2.0),
+                     scale="s").grade == "not reproduced"
+    assert c10.grade(dict(best_lr_multiplier=0.6, best_lr_multiplier_lo=0.5, best_lr_multiplier_hi=0.8),
+                     scale="s").grade == "contradicted"
+    assert c10.grade(dict(best_lr_multiplier=2.0, best_lr_multiplier_lo=1.6, best_lr_multiplier_hi=2.4),
+                     scale="s").grade == "partially"

@@ -1,0 +1,345 @@
+"""``CompensatedAdamW``: AdamW with the post's mixed-precision rules (section 4.1) and training guards (5.1).
+
+With every option off this *is* ``torch.optim.AdamW`` (Loshchilov & Hutter 2019): the update is torch's own
+functional ``adam(..., decoupled_weight_decay=True)`` on the parameters and moments as they are. The options:
+
+- ``accumulation_steps=k``: call ``step()`` after every backward (every micro-batch); the first ``k - 1``
+  calls move ``.grad`` into an accumulation buffer (and set ``.grad`` to None), the ``k``-th updates with
+  the *mean* of the ``k`` micro-batch gradients, so the loss need not be divided by ``k`` (DeepSpeed's
+  convention of stepping the engine every micro-batch). LR schedulers should be stepped when ``updated`` is
+  True, i.e. once per update.
+- ``master_weights``: an fp32 master copy for 16-bit (bf16/fp16) parameters, as in Micikevicius et al. 2018
+  ("Mixed Precision Training") and Megatron-LM's ``main_grad``: the weight, both moments *and* the gradient
+  accumulation buffer are fp32, the update is applied to the master and rounded into the 16-bit parameter.
+  Without it everything stays in the parameter's dtype, which is what ``torch.optim.AdamW`` on a
+  ``model.bfloat16()`` does (the accumulation buffer is then 16-bit, like autograd's own ``.grad``).
+  ``"auto"`` applies the post's rule: a master copy when ``accumulation_steps >= 4``. fp32 parameters are
+  their own master and never get a copy.
+- ``grad_scale``: ``"norm"`` (or a ``NormGradScaler`` to share, e.g. across DGR groups) is the post's
+  ``2^5 / max_grad_norm`` used as a loss scale (``macroarch.optim.scale``): ``opt.scale_loss(loss).backward()``,
+  and ``step()`` divides the scale back out. Then a non-finite gradient (inf/NaN in any parameter) skips the
+  update: no parameter, moment, master or step counter changes, and the scale backs off.
+- ``delay_compensation``: a ``macroarch.dgr.GradientCompensator`` (DC-ASGD, Zheng et al. 2017) for gradients
+  that are applied after the weights have moved: ``opt.snapshot_weights()`` records the weights a gradient is
+  computed at (call it before that forward pass); each update takes the oldest snapshot as ``w_then`` and
+  corrects the gradient with ``w_now - w_then`` before Adam sees it. No snapshot: the gradient is fresh.
+- ``spike_guard``: a ``LossSpikeGuard`` (``macroarch.optim.spike_guard``): its LR factor multiplies every
+  group's ``lr`` at the update, a ``"skip"`` trigger skips the update, ``"lower_scale"`` backs off the scale.
+
+``count_lost_updates=True`` counts, at every update, the elements with a due update (nonzero first moment)
+whose stored weight (the master if there is one, else the parameter) did not change: updates that round to
+zero. ``stats`` holds the counts.
+
+Deviations: no amsgrad, no fused kernel, no capturable/differentiable modes. Under DGR (``DGRWrapper.optimizer``)
+the per-parameter state is saved by the DGR optimizer's ``state_dict`` but torch's ``load_state_dict`` there
+casts master copies to the parameter dtype, and this optimizer's own counters, scaler and guard are not in it:
+checkpoint them separately.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.adam import adam
+
+from macroarch.dgr.compensation import GradientCompensator
+from macroarch.optim.scale import NormGradScaler, NormScaleConfig
+from macroarch.optim.spike_guard import LossSpikeGuard
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+MASTER_DTYPE = torch.float32
+AUTO_MASTER_MIN_ACCUMULATION = 4
+"""The post's rule: keep an fp32 master copy from this many accumulation steps on."""
+
+_FLOAT_STATE = ("master", "exp_avg", "exp_avg_sq", "grad_accum")
+
+
+def _number(name: str, value: Any, *, hi: float | None = None) -> float:
+    """``value`` as a float in ``[0, hi)`` (``[0, inf)`` without ``hi``), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    if value < 0 or (hi is not None and value >= hi):
+        raise ValueError(f"{name}={value!r} must lie in [0, {hi:g})" if hi is not None else
+                         f"{name}={value!r} must be >= 0")
+    return float(value)
+
+
+def global_grad_norm(grads: Iterable[torch.Tensor]) -> float:
+    """The 2-norm of all ``grads`` together, computed in fp32 per tensor; inf/NaN if any element is."""
+    total = 0.0
+    for g in grads:
+        total += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+    return math.sqrt(total)
+
+
+class CompensatedAdamW(torch.optim.Optimizer):
+    """AdamW with master weights, gradient accumulation, the 2^5 / max_grad_norm scale, DC-ASGD and a
+    loss-spike guard (module docstring).
+
+    Args:
+        params: parameters or parameter groups, as for ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay: as for ``torch.optim.AdamW`` (and the same defaults).
+        master_weights: ``"auto"`` (fp32 master for 16-bit parameters when ``accumulation_steps >= 4``),
+            True (always, for 16-bit parameters) or False (never).
+        accumulation_steps: ``step()`` calls (micro-batches) per update, >= 1.
+        grad_scale: None, ``"norm"``, a ``NormScaleConfig`` or a (shared) ``NormGradScaler``.
+        delay_compensation: None or a ``GradientCompensator``.
+        spike_guard: None or a (shared) ``LossSpikeGuard``.
+        count_lost_updates: count updates that round to zero into ``stats`` (a copy of each weight per update).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        master_weights: bool | str = "auto",
+        accumulation_steps: int = 1,
+        grad_scale: None | str | NormScaleConfig | NormGradScaler = None,
+        delay_compensation: GradientCompensator | None = None,
+        spike_guard: LossSpikeGuard | None = None,
+        count_lost_updates: bool = False,
+    ) -> None:
+        lr = _number("lr", lr)
+        if not (isinstance(betas, tuple | list) and len(betas) == 2):
+            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
+        betas = (_number("betas[0]", betas[0], hi=1.0), _number("betas[1]", betas[1], hi=1.0))
+        eps = _number("eps", eps)
+        weight_decay = _number("weight_decay", weight_decay)
+        if master_weights not in ("auto", True, False):
+            raise ValueError(f"master_weights={master_weights!r} must be 'auto', True or False")
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps!r} must be an int >= 1")
+        if grad_scale == "norm":
+            grad_scale = NormGradScaler()
+        elif isinstance(grad_scale, NormScaleConfig):
+            grad_scale = NormGradScaler(grad_scale)
+        elif grad_scale is not None and not isinstance(grad_scale, NormGradScaler):
+            raise ValueError(f"grad_scale={grad_scale!r} must be None, 'norm', a NormScaleConfig or a NormGradScaler")
+        if delay_compensation is not None and not isinstance(delay_compensation, GradientCompensator):
+            raise ValueError(f"delay_compensation={delay_compensation!r} must be a GradientCompensator or None")
+        if spike_guard is not None and not isinstance(spike_guard, LossSpikeGuard):
+            raise ValueError(f"spike_guard={spike_guard!r} must be a LossSpikeGuard or None")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        for index, group in enumerate(self.param_groups):  # per-group overrides are checked like the defaults
+            _number(f"param_groups[{index}]['lr']", group["lr"])
+            _number(f"param_groups[{index}]['weight_decay']", group["weight_decay"])
+        self.master_weights = master_weights
+        self.accumulation_steps = accumulation_steps
+        self.grad_scaler: NormGradScaler | None = grad_scale
+        self.compensator = delay_compensation
+        self.spike_guard = spike_guard
+        self.count_lost_updates = bool(count_lost_updates)
+        if spike_guard is not None:
+            spike_guard.attach_scaler(grad_scale)
+        self._micro = 0  # step() calls since the last update
+        self._guard_seen = 0 if spike_guard is None else spike_guard.observations
+        self._snapshots: collections.deque[dict[int, torch.Tensor]] = collections.deque()
+        self.updated = False  # whether the last step() updated (for LR schedulers under accumulation)
+        self.stats = {"updates": 0, "skipped_nonfinite": 0, "skipped_spike": 0, "due_elements": 0,
+                      "lost_elements": 0, "stalled_elements": 0}
+
+    # ------------------------------------------------------------------------------------ public API
+    def uses_master(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` gets an fp32 master copy under this optimizer's ``master_weights`` rule."""
+        if p.dtype not in LOW_PRECISION or self.master_weights is False:
+            return False
+        return self.master_weights is True or self.accumulation_steps >= AUTO_MASTER_MIN_ACCUMULATION
+
+    def master_weight(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s fp32 master copy, or None (no copy, or not created yet: copies appear at the first update)."""
+        return self.state.get(p, {}).get("master")
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the gradient scale (unchanged without ``grad_scale``); call ``.backward()`` on it."""
+        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
+
+    def snapshot_weights(self) -> None:
+        """Record the current weights as ``w_then`` of a gradient about to be computed (delay compensation)."""
+        if self.compensator is None:
+            raise ValueError("snapshot_weights: delay_compensation is None, so no update would use the snapshot")
+        self._snapshots.append({i: self._stored(p).detach().clone() for i, p in enumerate(self._params())})
+
+    @property
+    def lost_update_fraction(self) -> float:
+        """Lost / due elements over all counted updates (``count_lost_updates=True``); NaN before any."""
+        due = self.stats["due_elements"]
+        return self.stats["lost_elements"] / due if due else math.nan
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One micro-step: accumulate, or (every ``accumulation_steps``-th call) update. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._micro += 1
+        self.updated = False
+        if self._micro < self.accumulation_steps:
+            for p in self._params():
+                if p.grad is not None:
+                    self._accumulate(p)
+                    p.grad = None
+            return loss
+        self._micro = 0
+        self._update()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state (fp32 masters and moments kept fp32) plus ``"compensated"``: counters,
+        pending weight snapshots, and the scaler's, guard's and compensator's state."""
+        state = super().state_dict()
+        state["compensated"] = {
+            "micro_step": self._micro,
+            "guard_seen": self._guard_seen,
+            "snapshots": [dict(s) for s in self._snapshots],
+            "stats": dict(self.stats),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+            "spike_guard": None if self.spike_guard is None else self.spike_guard.state_dict(),
+            "compensator": None if self.compensator is None else self.compensator.state_dict(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("compensated", None)
+        if extra is not None:
+            for name in ("grad_scaler", "spike_guard", "compensator"):
+                if (extra[name] is None) != (getattr(self, "compensator" if name == "compensator" else name) is None):
+                    raise ValueError(f"state_dict and this optimizer disagree on having a {name}; build the "
+                                     f"optimizer with the same options as the one that was saved")
+        super().load_state_dict(state_dict)
+        # torch casts loaded floating state to each parameter's dtype: that would round fp32 masters, moments and
+        # accumulation buffers of 16-bit parameters. Put the saved values back, in their saved dtype.
+        params = self._params()
+        for index, saved in state_dict["state"].items():
+            p = params[index]
+            for key in _FLOAT_STATE:
+                if key in saved:
+                    self.state[p][key] = saved[key].detach().to(device=p.device, copy=True)
+        if extra is None:
+            return
+        self._micro, self._guard_seen = int(extra["micro_step"]), int(extra["guard_seen"])
+        self._snapshots = collections.deque({int(i): w.detach().to(params[int(i)].device, copy=True)
+                                             for i, w in s.items()} for s in extra["snapshots"])
+        self.stats.update(extra["stats"])
+        if self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(extra["grad_scaler"])
+        if self.spike_guard is not None:
+            self.spike_guard.load_state_dict(extra["spike_guard"])
+        if self.compensator is not None:
+            self.compensator.load_state_dict(extra["compensator"])
+
+    # ------------------------------------------------------------------------------------- internals
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _stored(self, p: torch.Tensor) -> torch.Tensor:
+        """The weight the update lands in: the master copy if there is one, else the parameter."""
+        state = self.state.get(p, {})
+        return state["master"] if "master" in state else p
+
+    def _accumulate(self, p: torch.Tensor) -> None:
+        """Add ``p.grad`` to the accumulation buffer: fp32 with a master copy, else ``p``'s dtype (as autograd)."""
+        state = self.state[p]
+        buffer = state.get("grad_accum")
+        if buffer is None:
+            dtype = MASTER_DTYPE if self.uses_master(p) else p.dtype
+            state["grad_accum"] = p.grad.detach().to(dtype, copy=True)
+        else:
+            buffer.add_(p.grad)
+
+    def _take_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The summed, still scaled gradient of this update (the buffer plus the last micro-batch), or None."""
+        buffer = self.state[p].pop("grad_accum", None) if p in self.state else None
+        if buffer is None:
+            return p.grad
+        if p.grad is not None:
+            buffer.add_(p.grad)
+        return buffer
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if "step" not in state:
+            master = self.uses_master(p)
+            dtype = MASTER_DTYPE if master else p.dtype
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch.optim.AdamW's (non-capturable) counter
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            if master:
+                state["master"] = p.detach().to(MASTER_DTYPE, copy=True)
+        return state
+
+    def _update(self) -> None:
+        params = self._params()
+        grads = {i: g for i, p in enumerate(params) if (g := self._take_grad(p)) is not None}
+        scale = 1.0 if self.grad_scaler is None else self.grad_scaler.applied_scale
+        divisor = self.accumulation_steps * scale
+        skip = False
+        if self.spike_guard is not None:
+            if self.spike_guard.skips(after=self._guard_seen):
+                skip = True
+                self.stats["skipped_spike"] += 1
+            self._guard_seen = self.spike_guard.observations
+        if self.grad_scaler is not None:
+            norm = global_grad_norm(grads.values()) / divisor
+            self.grad_scaler.update(norm)
+            if not math.isfinite(norm):
+                skip = True
+                self.stats["skipped_nonfinite"] += 1
+        w_then = self._snapshots.popleft() if self._snapshots else None
+        if skip or not grads:
+            return
+        lr_factor = 1.0 if self.spike_guard is None else self.spike_guard.lr_factor
+        first = 0
+        for group in self.param_groups:
+            self._step_group(group, first, grads, divisor, w_then, lr_factor)
+            first += len(group["params"])
+        self.stats["updates"] += 1
+        self.updated = True
+
+    def _step_group(self, group: dict[str, Any], first: int, grads: dict[int, torch.Tensor], divisor: float,
+                    w_then: dict[int, torch.Tensor] | None, lr_factor: float) -> None:
+        """AdamW on one param group; ``grads`` are keyed by flat parameter index (``first`` is the group's)."""
+        targets, group_grads, exp_avgs, exp_avg_sqs, steps, watched, rounded = [], [], [], [], [], [], []
+        for i, p in enumerate(group["params"], start=first):
+            if i not in grads:
+                continue
+            state = self._init_state(p)
+            target = state.get("master", p)
+            g = grads[i]
+            if divisor != 1.0 or g.dtype != target.dtype:
+                g = (g.to(MASTER_DTYPE) / divisor).to(target.dtype)  # mean over micro-batches, unscaled
+            if w_then is not None:
+                g = self.compensator.compensate(f"{i}", g, target, w_then[i])
+            if target is not p:
+                rounded.append((p, target))
+            if self.count_lost_updates:
+                watched.append((p, target, target.clone(), p.clone() if target is not p else None, state))
+            targets.append(target)
+            group_grads.append(g)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not targets:
+            return
+        beta1, beta2 = group["betas"]
+        lr = group["lr"] * lr_factor if lr_factor != 1.0 else group["lr"]
+        adam(targets, group_grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, fused=None,
+             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        for p, master in rounded:
+            p.copy_(master)  # round the updated master copy into the 16-bit weight
+        for p, target, before, p_before, state in watched:
+            due = state["exp_avg"] != 0  # an update was due: the first moment is nonzero
+            self.stats["due_elements"] += int(due.sum())
+            self.stats["lost_elements"] += int((due & (target == before)).sum())
+            unchanged = p == (p_before if p_before is not None else before)
+            self.stats["stalled_elements"] += int((due & unchanged).sum())
