@@ -5,4 +5,4 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+    sys.path.append(str(HERE))  # last: ``import conftest`` elsewhere must still find tests/conftest.py
