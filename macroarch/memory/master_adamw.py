@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim.adam import adam
 
+from macroarch._optim_state import restore_saved_state
+
 
 class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW that keeps fp32 master weights and moments for (16-bit) parameters.
@@ -72,11 +74,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         # torch.optim casts loaded state to each parameter's dtype, which would round the master copy
         # and the moments to 16 bits; put the saved full-precision values back.
-        saved = state_dict["state"]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, p in enumerate(params):
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                self.state[p][key] = saved[index][key].to(device=p.device, dtype=self.master_dtype, copy=True)
+        restore_saved_state(self, state_dict, ("master", "exp_avg", "exp_avg_sq"))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

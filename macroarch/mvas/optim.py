@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from macroarch._optim_state import restore_saved_state
 from macroarch.mvas import formats
 from macroarch.mvas.formats import PackedTensor, get_format, pack, write_range
 
@@ -216,13 +217,8 @@ class MVASAdamW(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         generators = state_dict.pop("mvas_generators", {})
         seed = state_dict.pop("mvas_seed", self.seed)
-        exact = {i: {k: v for k, v in s.items() if k in _EXACT_KEYS} for i, s in state_dict["state"].items()}
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
-        params = [p for g in self.param_groups for p in g["params"]]
-        for i, p in zip(saved_ids, params):
-            for key, value in exact.get(i, {}).items():
-                self.state[p][key] = value.to(device=p.device, copy=True)  # torch cast them to p.dtype
+        restore_saved_state(self, state_dict, _EXACT_KEYS)  # torch cast them to each parameter's dtype
         self.seed = seed
         self._generators = {}
         for device, rng in generators.items():

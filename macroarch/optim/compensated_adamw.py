@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
+from macroarch._optim_state import restore_saved_state
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
@@ -212,18 +213,14 @@ class CompensatedAdamW(torch.optim.Optimizer):
         extra = state_dict.pop("compensated", None)
         if extra is not None:
             for name in ("grad_scaler", "spike_guard", "compensator"):
-                if (extra[name] is None) != (getattr(self, "compensator" if name == "compensator" else name) is None):
+                if (extra[name] is None) != (getattr(self, name) is None):
                     raise ValueError(f"state_dict and this optimizer disagree on having a {name}; build the "
                                      f"optimizer with the same options as the one that was saved")
         super().load_state_dict(state_dict)
         # torch casts loaded floating state to each parameter's dtype: that would round fp32 masters, moments and
         # accumulation buffers of 16-bit parameters. Put the saved values back, in their saved dtype.
+        restore_saved_state(self, state_dict, _FLOAT_STATE)
         params = self._params()
-        for index, saved in state_dict["state"].items():
-            p = params[index]
-            for key in _FLOAT_STATE:
-                if key in saved:
-                    self.state[p][key] = saved[key].detach().to(device=p.device, copy=True)
         if extra is None:
             return
         self._micro, self._guard_seen = int(extra["micro_step"]), int(extra["guard_seen"])
