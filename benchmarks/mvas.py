@@ -33,19 +33,17 @@ import argparse
 import copy
 import json
 import statistics
-import time
 import warnings
 
 import torch
 
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.dgr import DGRWrapper
-from macroarch.memory import MasterWeightAdamW, measure_step
+from macroarch.memory import STATE_CATEGORIES, MasterWeightAdamW, measure_step
 from macroarch.models import get_model_spec
-from macroarch.mvas import MVASAdamW, apply, plan_for_budget
-from macroarch.training import evaluate_lm
+from macroarch.mvas import MVASAdamW, apply, packable, plan_for_budget
+from macroarch.training import evaluate_lm, train_round_robin
 
-STATE = ("parameters", "gradients", "optimizer_state", "master_weights")
 REFERENCE = "AdamW bf16 + fp32 master"
 VARIANTS = ("AdamW fp32", "AdamW bf16 + fp32 master", "torchao AdamW8bit", "torchao AdamW4bit",
             "bitsandbytes AdamW8bit", "MVAS", "MVAS + DGR")
@@ -54,9 +52,8 @@ VARIANTS = ("AdamW fp32", "AdamW bf16 + fp32 master", "torchao AdamW8bit", "torc
 def mvas_plan(model: torch.nn.Module, weight_bytes: float):
     """Budget plan: the managed-size tensors at ``weight_bytes`` per element on average, by squared-error proxy."""
     named = dict(model.named_parameters())
-    eligible = sum(p.numel() for n, p in named.items() if p.numel() >= 4096 and "norm" not in n)
-    rest = sum(p.numel() * p.element_size() for n, p in named.items() if not (p.numel() >= 4096 and "norm" not in n))
-    return plan_for_budget(named, target_bytes=int(eligible * weight_bytes + rest),
+    eligible, kept = packable(named)
+    return plan_for_budget(named, target_bytes=int(weight_bytes * sum(p.numel() for p in eligible.values())) + kept,
                            formats=("fp16", "fp8_e4m3", "fp4_e2m1"), block_size=32)
 
 
@@ -149,21 +146,7 @@ def main() -> None:
           f"steps of {args.batch_size}x{args.seq_len} bytes; {torch.get_num_threads()} thread(s)")
 
     runs = {v: make(v, initial, args, example) for v in variants}
-    times = {v: [] for v in variants}
-    losses = {v: [] for v in variants}
-    for step, (ids, labels) in enumerate(train):
-        for v in variants:
-            model, opt = runs[v]
-            start = time.perf_counter()
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times[v].append(time.perf_counter() - start)
-            losses[v].append(loss.item())
-        if (step + 1) % max(1, args.steps // 10) == 0:
-            print(f"  step {step + 1}/{args.steps}: " + ", ".join(f"{v} {losses[v][-1]:.3f}" for v in variants),
-                  flush=True)
+    logs = train_round_robin(runs, train, desc="training (one step of each in turn)")
 
     results = {}
     for v in variants:
@@ -177,12 +160,12 @@ def main() -> None:
 
         try:
             mem = measure_step(step, inner, opt, *train[0])
-            state, how = {k: mem.max_by_category[k] for k in STATE}, "tracked"
+            state, how = {k: mem.max_by_category[k] for k in STATE_CATEGORIES}, "tracked"
         except Exception as e:  # noqa: BLE001 (MemTracker cannot follow torchao's compiled step)
             print(f"  {v}: MemTracker failed ({type(e).__name__}); bytes counted from the tensors held instead")
             state, how = counted_state(inner, opt, step), "counted"
         ev = evaluate_lm(model if not isinstance(model, DGRWrapper) else model.module, held_out)
-        results[v] = dict(step_s=statistics.median(times[v][args.warmup:]), eval_loss=ev.loss,
+        results[v] = dict(step_s=statistics.median(logs[v].seconds[args.warmup:]), eval_loss=ev.loss,
                           eval_accuracy=ev.accuracy,
                           bytes_per_param=sum(state.values()) / n_params, state_bytes=state, bytes_from=how)
 
@@ -190,14 +173,15 @@ def main() -> None:
     print(f"\n{'variant':<28}{'bytes/param':>12}{'weights':>9}{'grads':>8}{'optim':>8}{'master':>8}"
           f"{'step ms':>9}{'speed':>8}{'eval loss':>11}{'vs AdamW':>10}{'acc':>8}")
     for v, r in results.items():
-        per = [f"{r['state_bytes'][k] / n_params:8.2f}" for k in STATE]
+        per = [f"{r['state_bytes'][k] / n_params:8.2f}" for k in STATE_CATEGORIES]
         speed = f"{ref['step_s'] / r['step_s']:7.2f}x" if ref else "       -"
         gap = f"{r['eval_loss'] / ref['eval_loss'] - 1:+9.2%}" if ref else "        -"
         bpp = f"{r['bytes_per_param']:12.2f}"
         print(f"{v:<28}{bpp} {''.join(per)}"
               f"{r['step_s'] * 1e3:9.1f}{speed}{r['eval_loss']:11.4f}{gap}{r['eval_accuracy']:8.3f}")
-    print(f"speed and eval loss relative to {REFERENCE}; bytes "
-          + ", ".join(f"{v}: {r['bytes_from']}" for v, r in results.items() if r["bytes_from"] != "tracked"))
+    counted = [v for v, r in results.items() if r["bytes_from"] != "tracked"]
+    print(f"speed and eval loss relative to {REFERENCE}"
+          + (f"; bytes counted from the tensors held (not tracked) for {', '.join(counted)}" if counted else ""))
     if ref and "MVAS + DGR" in results:
         r = results["MVAS + DGR"]
         checks = [("<= 4 bytes/param", r["bytes_per_param"] <= 4),

@@ -60,7 +60,6 @@ CATEGORIES = (
     "parameters", "gradients", "optimizer_state", "master_weights", "activations", "temporaries", "other",
 )
 PHASES = ("setup", "forward", "backward", "optimizer")
-_PACKED_SUFFIXES = ("__mvas_payload", "__mvas_scales")  # macroarch.mvas.store's buffers
 
 _FROM_MEMTRACKER = {
     _MemRefType.PARAM: "parameters",
@@ -210,8 +209,10 @@ def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inpu
                 tracker.label(value, "other")
             else:  # Adam's m and v, and what quantised optimizers keep with them (block scales, quantisation maps)
                 tracker.label(value, "optimizer_state")
+    from macroarch.mvas.store import is_packed_buffer
+
     for name, buffer in model.named_buffers():
-        if name.endswith(_PACKED_SUFFIXES):  # MVAS stores packed weights as buffers: they are the parameters
+        if is_packed_buffer(name):  # MVAS stores packed weights as buffers: they are the parameters
             tracker.label(buffer, "parameters")
     tracker.start_phase("setup")
     return tracker
@@ -245,12 +246,16 @@ def _make_optimizer(model: torch.nn.Module, policy: PrecisionPolicy, foreach: bo
             f"({policy.param_dtype}), not {policy.optimizer_state_dtype}"
         )
     optimizer = torch.optim.AdamW(params, foreach=foreach)
-    # AdamW creates m, v and step lazily in its first step; one step on zero gradients creates them.
+    _create_state(optimizer, params)
+    return optimizer
+
+
+def _create_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Optimizers create their state (Adam's m, v, step) lazily in the first step: one on zero gradients."""
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return optimizer
 
 
 def measure_training_step(
@@ -312,11 +317,7 @@ def measure_training_step(
             runner, optimizer = net, _make_optimizer(net, policy, foreach)
         else:
             runner, optimizer = prepare(net)
-            params = [p for p in net.parameters() if p.requires_grad]
-            for p in params:
-                p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _create_state(optimizer, [p for p in net.parameters() if p.requires_grad])
         input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
 
         tracker = _tracker_for(net, optimizer, input_ids)

@@ -166,6 +166,16 @@ def _keep_entry(name: str, t: torch.Tensor, reason: str) -> TensorPlan:
     return TensorPlan(name, t.numel(), t.dtype, dtype_format(t.dtype).name, None, reason)
 
 
+def packable(tensors: NamedTensors, min_numel: int = MIN_NUMEL,
+             keep_patterns: Sequence[str] = DEFAULT_KEEP_PATTERNS) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors a plan may store in another format (not kept by ``min_numel``/``keep_patterns``), and the
+    bytes of the others in their own dtype: what a budget stated per packable weight is computed from."""
+    items = _named_tensors(tensors)
+    eligible = {n: t for n, t in items if _kept(n, t.numel(), min_numel, keep_patterns) is None}
+    kept = sum(t.numel() * t.element_size() for n, t in items if n not in eligible)
+    return eligible, kept
+
+
 # ----------------------------------------------------------------------------------------------- rules
 def plan_from_rules(tensors: NamedTensors, rules: Sequence[Rule], *, block_size: int | None = 32,
                     min_numel: int = MIN_NUMEL, keep_patterns: Sequence[str] = DEFAULT_KEEP_PATTERNS

@@ -38,17 +38,12 @@ from macroarch.mvas.policy import (
     MIN_NUMEL,
     NamedTensors,
     PrecisionPlan,
-    _kept,
+    _block_for,
     _named_tensors,
+    packable,
     plan_for_budget,
 )
 from macroarch.mvas.store import MVASStore
-
-
-def _block_for(numel: int, fmt: str, block_size: int | None) -> int | None:
-    if not get_format(fmt).block_scaled or block_size is None or numel % block_size:
-        return None
-    return block_size
 
 
 @torch.no_grad()
@@ -86,11 +81,10 @@ def importance_plan(tensors: NamedTensors, importance: Mapping[str, torch.Tensor
     are not kept (``min_numel``, ``keep_patterns``), the kept ones costing their own dtype.
     """
     items = dict(_named_tensors(tensors))
-    eligible = {n: t for n, t in items.items() if _kept(n, t.numel(), min_numel, keep_patterns) is None}
+    eligible, kept = packable(items, min_numel, keep_patterns)
     if (target_bytes is None) == (weight_bytes is None):
         raise ValueError("give exactly one of target_bytes and weight_bytes")
     if weight_bytes is not None:
-        kept = sum(t.numel() * t.element_size() for n, t in items.items() if n not in eligible)
         target_bytes = int(weight_bytes * sum(t.numel() for t in eligible.values())) + kept
     missing = [n for n in eligible if n not in importance]
     if missing:

@@ -40,7 +40,6 @@ hooks (correct, but the checkpointed activations are kept); writing into a manag
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +52,6 @@ from macroarch.mvas.policy import PrecisionPlan, TensorPlan
 
 PAYLOAD_SUFFIX = "__mvas_payload"
 SCALES_SUFFIX = "__mvas_scales"
-ROUNDINGS = ("stochastic", "nearest")
 
 
 def is_packed_buffer(name: str) -> bool:
@@ -290,9 +288,6 @@ class MVASStore:
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
 
-    def entry_for(self, param: torch.Tensor) -> _Entry | None:
-        return self._by_param.get(id(param))
-
     def packed(self, name: str) -> PackedTensor:
         return self._entry(name).packed()
 
@@ -319,8 +314,6 @@ class MVASStore:
               generator: torch.Generator | None = None) -> None:
         """Store ``value`` as the new weight of ``name`` in its planned format (``generator``: default the
         store's)."""
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding={rounding!r} must be one of {ROUNDINGS}")
         entry = self._entry(name)
         if tuple(value.shape) != tuple(entry.param.shape):
             raise ValueError(f"write({name!r}): shape {tuple(value.shape)} != {tuple(entry.param.shape)}")
@@ -329,16 +322,6 @@ class MVASStore:
     def packed_bytes(self) -> int:
         """Bytes of every managed tensor's storage (payloads and scales), as held now."""
         return sum(e.packed().nbytes for e in self.entries.values())
-
-    def parameter_bytes(self) -> int:
-        """Bytes of all weights as stored: packed tensors plus the unmanaged parameters (placeholders: one
-        element each)."""
-        seen, total = set(), 0
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.untyped_storage().nbytes()
-        return total + sum(b.untyped_storage().nbytes() for n, b in self.model.named_buffers() if is_packed_buffer(n))
 
     # ------------------------------------------------------------------------------------------- re-planning
     @torch.no_grad()
@@ -450,8 +433,6 @@ class MVASStore:
         self._by_param.clear()
         return self.model
 
-    def describe(self) -> str:
-        return self.plan.describe()
 
 
 def _drop_placeholders(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -501,9 +482,3 @@ def apply(model: nn.Module, plan: PrecisionPlan, *, compute_dtype: torch.dtype |
     if compute_dtype is not None and compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"compute_dtype={compute_dtype} must be float32, bfloat16 or float16")
     return MVASStore(model, plan, compute_dtype=compute_dtype, generator=generator)
-
-
-def managed_fraction(store: MVASStore) -> float:
-    """Share of the model's parameter elements that the store manages."""
-    total = sum(p.numel() for p in store.model.parameters())
-    return sum(math.prod(e.param.shape) for e in store.entries.values()) / total if total else 0.0

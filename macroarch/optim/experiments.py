@@ -275,12 +275,9 @@ def mvas_stack(model: torch.nn.Module, example: Batch, lr: float, *, group_size:
     have fired."""
     from macroarch import mvas
     from macroarch.dgr import DGRWrapper
-    from macroarch.mvas.policy import DEFAULT_KEEP_PATTERNS, MIN_NUMEL, _kept
-
     named = dict(model.named_parameters())
-    eligible = {n for n, p in named.items() if _kept(n, p.numel(), MIN_NUMEL, DEFAULT_KEEP_PATTERNS) is None}
-    target = sum(p.numel() * p.element_size() * ((1 - target_reduction) if n in eligible else 1.0)
-                 for n, p in named.items())  # the packable tensors shrink by target_reduction, the rest stay
+    eligible, kept = mvas.packable(named)  # the packable tensors shrink by target_reduction, the rest stay
+    target = kept + (1 - target_reduction) * sum(p.numel() * p.element_size() for p in eligible.values())
     mvas.apply(model, mvas.plan_for_budget(named, target_bytes=int(target)))
     device = next(model.parameters()).device
     wrapper = DGRWrapper(model, group_size=group_size, mode="sync",
