@@ -171,7 +171,7 @@ class MVASStore:
         self._depth = 0
         self._saved_hooks: contextlib.AbstractContextManager | None = None
         self._handles: list[Any] = []
-        self._swapped: dict[int, list[tuple[str, torch.Tensor]]] = {}  # id(module) -> dense weights put in place
+        self._swapped: dict[int, list[tuple[list, bool]]] = {}  # id(scope) -> stack of (weights put in place, grad on)
         self._generator = generator
         self._attach(compute_dtype)
 
