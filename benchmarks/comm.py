@@ -8,7 +8,7 @@ Ranks are launched as torchrun launches them (``macroarch.comm.launch``: gloo on
 ``--threads`` torch threads each) and train the same model from the same weights, each on its own batches. A
 micro-step is forward, backward and gradient synchronisation; the set-ups (DDP with its defaults, 25 MiB
 buckets and a 1 MiB first bucket; DDP with 8 MiB buckets; the bucketer at each ``--sizes``) take turns for
-``--rounds`` rounds so that load from elsewhere hits them alike (``macroarch.comm.bench.compare_bucketing``).
+``--rounds`` rounds so that load from elsewhere hits them alike (``macroarch.measure.comm_bench.compare_bucketing``).
 Reported: each set-up's micro-step time, collectives per step, bucket sizes, its largest gradient difference
 from an explicit all-reduce average, and the ratios DDP time / bucketer time (target >= 1.0: at least parity).
 """
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-from macroarch.comm import Workload, bucket_summary, compare_bucketing
+from macroarch.measure.comm_bench import bucket_summary, compare_bucketing
+from macroarch.measure.workload import Workload
 
 
 def main(argv: list[str] | None = None) -> None:

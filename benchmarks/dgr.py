@@ -7,7 +7,7 @@
 Two copies of one model (same initial weights) train with torch.optim.AdamW: one plainly, one through
 ``DGRWrapper`` in sync mode. Timed steps alternate between them (plain, DGR, plain, ...) so that load from
 other processes on a shared machine hits both alike; the median step is reported. Memory comes from one
-further step of each under MemTracker (``macroarch.memory.measured``'s categories), with AdamW's state
+further step of each under MemTracker (``macroarch.measure.memory.measured``'s categories), with AdamW's state
 already in place. The two copies must end with equal weights: sync DGR is exact.
 
 Models: ``hc`` is ``HCTransformerLM`` with plain residual connections (its repeated container holds
@@ -25,13 +25,13 @@ import time
 import torch
 
 from macroarch.dgr import DGRWrapper
-from macroarch.memory import format_bytes, measure_step
+from macroarch.measure.memory import format_bytes, measure_step
 from macroarch.models import MODELS, get_model_spec
 
 
 def build(name: str, layers: int, width: int, heads: int, seq_len: int) -> torch.nn.Module:
     if name == "hc":
-        from macroarch.analysis.hyperconnections import HCTransformerLM
+        from macroarch.models.hyperconnections import HCTransformerLM
 
         return HCTransformerLM(256, width, layers, heads, max_seq_len=seq_len, residual="residual")
     spec = get_model_spec(name)

@@ -3,7 +3,7 @@
     python benchmarks/memory.py --model gpt3_175b --precision post --fake
     python benchmarks/memory.py --model llama_65b_tiny --precision bf16_mixed --batch-size 4 --seq-len 64
 
-The analytic column is ``macroarch.memory.analytic`` (training state and activations); the measured
+The analytic column is ``macroarch.measure.memory.analytic`` (training state and activations); the measured
 columns come from ``measure_training_step`` (MemTracker): each category's maximum over the step, what
 was alive when the forward pass ended, and the composition of the peak. Full-size models need
 ``--fake`` (fake tensors: a few seconds, no memory); without a GPU use the CPU kernels (the default).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from macroarch.memory import (
+from macroarch.measure.memory import (
     CATEGORIES,
     PRECISIONS,
     activation_bytes,

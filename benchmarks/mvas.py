@@ -21,7 +21,7 @@ MVAS + DGR                      the same inside ``DGRWrapper`` (sync): each grou
 Timed steps go round-robin over the variants (one step of each in turn), so load from other processes hits all
 alike; the median step is reported and the first ``--warmup`` steps of each (allocation, compilation) are left
 out. Bytes per parameter are the maxima over one more steady-state step under MemTracker of weights, gradients,
-optimizer state and master copies (``macroarch.memory.measured`` categories), divided by the parameter count;
+optimizer state and master copies (``macroarch.measure.memory.measured`` categories), divided by the parameter count;
 where MemTracker cannot follow the step (torchao's compiled step) the bytes of the tensors held are counted.
 Eval loss and next-token accuracy are on held-out windows. The issue's target for MVAS + DGR: at most 4 bytes
 per parameter, eval loss within 1% of AdamW and at least 0.9x its speed; the summary says where it lands.
@@ -39,10 +39,11 @@ import torch
 
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.dgr import DGRWrapper
-from macroarch.memory import STATE_CATEGORIES, MasterWeightAdamW, measure_step
+from macroarch.experiments.loop import evaluate_lm, train_round_robin
+from macroarch.measure.memory import STATE_CATEGORIES, measure_step
 from macroarch.models import get_model_spec
 from macroarch.mvas import MVASAdamW, apply, packable, plan_for_budget
-from macroarch.training import evaluate_lm, train_round_robin
+from macroarch.optim import MasterWeightAdamW
 
 REFERENCE = "AdamW bf16 + fp32 master"
 VARIANTS = ("AdamW fp32", "AdamW bf16 + fp32 master", "torchao AdamW8bit", "torchao AdamW4bit",

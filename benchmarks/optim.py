@@ -9,7 +9,7 @@ Each set-up gets its own copy of one model (same initial weights) and the same f
 the optimizer's tensors after the first step (moments, master copies, counters). Set-ups: torch AdamW (fp32 and
 bf16), CompensatedAdamW with every option off (fp32 and bf16: should cost what AdamW costs), with the fp32 master
 copy on bf16 weights, with the 2^5 / max_grad_norm scale (one norm per step), with lost-update counting, and
-``macroarch.memory.MasterWeightAdamW`` (the fp32-master baseline).
+``macroarch.measure.memory.MasterWeightAdamW`` (the fp32-master baseline).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import time
 
 import torch
 
-from macroarch.memory import MasterWeightAdamW
 from macroarch.models import get_model_spec
-from macroarch.optim import CompensatedAdamW
+from macroarch.optim import CompensatedAdamW, MasterWeightAdamW
 
 SETUPS = {
     "torch AdamW fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-3)),

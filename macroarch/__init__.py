@@ -1,20 +1,22 @@
 """macroarch: the post's "macro-architecture" built as PyTorch components, and every claim measured.
 
-- ``claims``: the registry of the post's claims and the rules that grade a measurement;
-- ``tracking``: ``start_run`` writes ``result.json`` and a W&B run (offline by default);
-- ``runner`` / ``paper``: batch execution of the notebooks with papermill, and the report built from results;
-- ``memory``: exact byte accounting, analytic and measured (real or fake tensors);
-- ``models``: named model builders (full-size for fake tensors, tiny to train here; BERT masked-LM);
-- ``analysis``: gradient norms through depth, variance estimators, the clipping probe, HC/mHC blocks;
-- ``dgr``: DGR, the post's dynamic graph reorganisation (groups, in-backward updates, delay compensation);
-- ``mvas``: MVAS, parameters and optimizer state stored in fp16/fp8/fp4 by importance, served just in time;
-- ``optim``: CompensatedAdamW (fp32 master from 4 accumulation steps, the 2^5 / max_grad_norm scale, DC-ASGD,
-  loss-spike guard) and the LR/warmup recipe;
-- ``comm``: GradientBucketer (fixed-size gradient buckets over torch.distributed, windows, timeouts), the ZeRO-3
-  communication model, torchrun-style launches;
-- ``data``: the local byte-level text corpus and its batches.
+Four layers, each a folder, each importing only from the layers below it:
 
-Names are imported lazily, so ``import macroarch`` (and the CLI) does not pay for torch until it is used.
+- techniques, what a user puts into a training loop: ``dgr`` (dynamic graph reorganisation), ``mvas``
+  (parameters and optimizer state stored in fp16/fp8/fp4 by importance, served just in time), ``optim``
+  (CompensatedAdamW, MasterWeightAdamW, the gradient scale, the spike guard, the LR/warmup recipe), ``comm``
+  (the GradientBucketer, torchrun-style launches), ``compose`` (the one function that stacks them on a model)
+  and ``config`` (their typed configs, loaded from YAML);
+- building blocks: ``models`` (named builders, the HC/mHC model, layer discovery) and ``data`` (the local
+  corpus and its batches);
+- measurement: ``measure`` (memory accounting, gradient analysis, the ZeRO-3 communication model and its
+  calibration) and ``experiments`` (the one training loop and one harness per claim group, which the notebooks
+  call);
+- reproduction: ``repro`` (the claims registry, tracking to ``result.json`` and W&B, the papermill runner, the
+  paper builder, the CLI).
+
+``paths`` (where the checkout, outputs and W&B live) is a leaf every layer may use. Names are imported lazily,
+so ``import macroarch`` (and the CLI) does not pay for torch until it is used.
 """
 
 from __future__ import annotations
@@ -25,33 +27,33 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CLAIMS": "macroarch.claims",
-    "Claim": "macroarch.claims",
-    "Target": "macroarch.claims",
-    "Verdict": "macroarch.claims",
-    "get_claim": "macroarch.claims",
+    "CLAIMS": "macroarch.repro.claims",
+    "Claim": "macroarch.repro.claims",
+    "Target": "macroarch.repro.claims",
+    "Verdict": "macroarch.repro.claims",
+    "get_claim": "macroarch.repro.claims",
     "ConfigError": "macroarch.config",
-    "Run": "macroarch.tracking",
-    "start_run": "macroarch.tracking",
-    "read_offline_run": "macroarch.wandb_offline",
-    "find_offline_runs": "macroarch.wandb_offline",
-    "PRECISIONS": "macroarch.memory",
-    "PrecisionPolicy": "macroarch.memory",
-    "MasterWeightAdamW": "macroarch.memory",
-    "activation_bytes": "macroarch.memory",
-    "measure_training_step": "macroarch.memory",
-    "parameter_count": "macroarch.memory",
-    "training_state_bytes": "macroarch.memory",
-    "measure_step": "macroarch.memory",
+    "Run": "macroarch.repro.tracking",
+    "start_run": "macroarch.repro.tracking",
+    "read_offline_run": "macroarch.repro.wandb_offline",
+    "find_offline_runs": "macroarch.repro.wandb_offline",
+    "PRECISIONS": "macroarch.measure.memory",
+    "PrecisionPolicy": "macroarch.measure.memory",
+    "MasterWeightAdamW": "macroarch.optim",
+    "activation_bytes": "macroarch.measure.memory",
+    "measure_training_step": "macroarch.measure.memory",
+    "parameter_count": "macroarch.measure.memory",
+    "training_state_bytes": "macroarch.measure.memory",
+    "measure_step": "macroarch.measure.memory",
     "MODELS": "macroarch.models",
     "ModelSpec": "macroarch.models",
     "get_model_spec": "macroarch.models",
     "build_bert_mlm": "macroarch.models",
-    "GradientNormRecorder": "macroarch.analysis",
-    "ClippingProbe": "macroarch.analysis",
-    "HCTransformerLM": "macroarch.analysis",
-    "composite_gain": "macroarch.analysis",
-    "minibatch_gradient_variance": "macroarch.analysis",
+    "GradientNormRecorder": "macroarch.measure.gradients",
+    "ClippingProbe": "macroarch.measure.clipping",
+    "HCTransformerLM": "macroarch.models",
+    "composite_gain": "macroarch.models",
+    "minibatch_gradient_variance": "macroarch.measure.gradients",
     "DGRWrapper": "macroarch.dgr",
     "GradientCompensator": "macroarch.dgr",
     "MVASAdamW": "macroarch.mvas",
@@ -63,8 +65,8 @@ _EXPORTS = {
     "GradientBucketer": "macroarch.comm",
     "CollectiveError": "macroarch.comm",
     "ddp_with_buckets": "macroarch.comm",
-    "zero3_step": "macroarch.comm",
-    "Cluster": "macroarch.comm",
+    "zero3_step": "macroarch.measure.zero3",
+    "Cluster": "macroarch.measure.zero3",
     "launch": "macroarch.comm",
     "ensure_corpus": "macroarch.data",
     "load_corpus": "macroarch.data",

@@ -1,4 +1,4 @@
-"""Project-wide settings: where things live, which profiles exist, and strict YAML loading.
+"""Typed configuration and strict YAML loading.
 
 Configs are frozen dataclasses next to the code that uses them; this module holds what they share: the
 error type for bad user input (the CLI turns it into a one-line message and exit status 2), a YAML loader
@@ -7,44 +7,13 @@ whose errors name the file, and a key check that names the bad key and lists the
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-PROFILES = ("ci", "cpu", "gpu")
-
 
 class ConfigError(ValueError):
     """Bad user input: an unknown profile, claim id, notebook, key or value. The message names it."""
-
-
-def project_root() -> Path:
-    """The checkout this package runs from (``MACROARCH_ROOT`` overrides), else the working directory."""
-    if env := os.environ.get("MACROARCH_ROOT"):
-        return Path(env).resolve()
-    here = Path(__file__).resolve().parent.parent
-    return here if (here / "pyproject.toml").is_file() else Path.cwd().resolve()
-
-
-def out_root() -> Path:
-    """Where executed notebooks and result files go (``MACROARCH_OUT`` overrides)."""
-    if env := os.environ.get("MACROARCH_OUT"):
-        return Path(env).resolve()
-    return project_root() / "papermill_runs" / "out"
-
-
-def wandb_root() -> Path:
-    """The folder W&B writes its ``wandb/`` directory into (W&B's own ``WANDB_DIR`` overrides)."""
-    if env := os.environ.get("WANDB_DIR"):
-        return Path(env).resolve()
-    return project_root()
-
-
-def check_profile(profile: str) -> str:
-    if profile not in PROFILES:
-        raise ConfigError(f"unknown profile {profile!r}; expected one of {', '.join(PROFILES)}")
-    return profile
 
 
 def load_yaml(path: Path) -> Any:

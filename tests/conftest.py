@@ -37,8 +37,8 @@ def isolated(tmp_path, monkeypatch):
 
 
 RECORDING = '''
-from macroarch.claims import get_claim
-from macroarch.tracking import start_run
+from macroarch.repro.claims import get_claim
+from macroarch.repro.tracking import start_run
 with start_run("C4", profile, {"size": size}) as run:
     run.summary(post_accounting_bytes=1.4e12 * size, mixed_precision_bytes=2.8e12)
     run.verdict(get_claim("C4").grade(run.metrics, scale=f"size {size}"))

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from macroarch._autograd import at_backward_end, backward_pass_id
 from macroarch.comm.layout import BUCKET_MULTIPLE_MB, MiB, check_bucket_mb, plan_buckets
 
 
@@ -269,11 +270,11 @@ class GradientBucketer:
                 for g in self._group_of:
                     self._group_left[g] = self._group_left.get(g, 0) + 1
             self._divisor = self.world_size * (self.window_steps if self.window_ms is not None else 1)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        at_backward_end(self._end_backward)
 
     def _grad_ready(self, index: int) -> None:
         self._check_healthy()
-        task = torch._C._current_graph_task_id()
+        task = backward_pass_id()
         if task != self._task:  # the first gradient of a new backward pass
             self._task = task
             self._begin_backward()

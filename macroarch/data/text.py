@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from macroarch.config import project_root
+from macroarch.paths import project_root
 
 log = logging.getLogger(__name__)
 

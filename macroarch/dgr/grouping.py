@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch._table import format_table
-from macroarch.analysis.gradients import find_repeated_layers
+from macroarch.models.layers import find_repeated_layers
+from macroarch.repro._table import format_table
 
 _OUTSIDE = "outside"
 

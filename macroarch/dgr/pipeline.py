@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from macroarch._autograd import at_backward_end, backward_pass_id
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
 
@@ -298,7 +299,7 @@ class DGROptimizer(torch.optim.Optimizer):
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._suspended:
             return
-        task = torch._C._current_graph_task_id()
+        task = backward_pass_id()
         if task != self._task:  # the first gradient of a new backward pass
             self._task = task
             if self._micro >= self.config.accumulation_steps:
@@ -309,7 +310,7 @@ class DGROptimizer(torch.optim.Optimizer):
                 )
             self._arrived = [set() for _ in self._inner]
             self._done.clear()  # left over only if an earlier backward was aborted before step()
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            at_backward_end(self._backward_done)
         self._free_released()
         if self._micro + 1 < self.config.accumulation_steps:
             return

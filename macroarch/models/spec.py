@@ -1,7 +1,7 @@
 """Model specifications: the shape of a decoder-only transformer and how to build it with transformers.
 
 A ``TransformerShape`` is the architecture as numbers (layers, widths, heads, vocabulary, ...); it is
-what ``macroarch.memory.analytic`` counts bytes from. A ``ModelSpec`` gives a shape a name and builds
+what ``macroarch.measure.memory.analytic`` counts bytes from. A ``ModelSpec`` gives a shape a name and builds
 the real Hugging Face model from it (``GPT2LMHeadModel`` or ``LlamaForCausalLM``) without downloading
 anything: weights are initialised from the config, on any device, including ``"meta"`` and under
 ``torch._subclasses.fake_tensor.FakeTensorMode``, so full-size models cost no memory.
@@ -116,7 +116,7 @@ class ModelSpec:
         """The same model with some shape fields replaced, e.g. ``spec.scaled(n_layers=2)``.
 
         Used to measure a full-width model with fewer layers: every per-layer byte count is the same,
-        so totals scale linearly in ``n_layers`` (see ``macroarch.memory.analytic``).
+        so totals scale linearly in ``n_layers`` (see ``macroarch.measure.memory.analytic``).
         """
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(TransformerShape)})
         if unknown:

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from macroarch._optim_state import restore_saved_state
 from macroarch.mvas import formats
 from macroarch.mvas.formats import PackedTensor, get_format, pack, write_range
+from macroarch.optim._state import restore_saved_state
 
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
 

@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from macroarch._table import format_table
 from macroarch.mvas.formats import dtype_format, get_format, quantization_error, storage_bytes
+from macroarch.repro._table import format_table
 
 Rule = tuple[str, str]
 # norms as transformers (``input_layernorm``, ``LayerNorm``, ``norm``), timm (``norm1``) and open_clip / GPT-2
@@ -252,7 +252,7 @@ def _clip_towers(model: nn.Module) -> dict[str, tuple[list[str], nn.Module]]:
 def clip_rules(model: nn.Module, policy: Mapping[str, object], image_blocks: Sequence[str] | None = None,
                text_blocks: Sequence[str] | None = None) -> list[Rule]:
     """Rules for an open_clip model from the post's ``precision_policy`` (blocks found unless given)."""
-    from macroarch.analysis.gradients import find_repeated_layers
+    from macroarch.models.layers import find_repeated_layers
 
     parsed = parse_precision_policy(policy)
     towers = _clip_towers(model)

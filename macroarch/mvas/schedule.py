@@ -118,7 +118,7 @@ class MVASSchedule:
         block_size: block size of scaled formats in new plans.
         beta: EMA factor of the Fisher diagonal.
         estimator: ``() -> {name: diagonal}`` to use instead of the Fisher EMA.
-        run: a ``macroarch.tracking`` run (or anything with ``log(step=..., **metrics)``) to log changes to.
+        run: a ``macroarch.repro.tracking`` run (or anything with ``log(step=..., **metrics)``) to log changes to.
     """
 
     def __init__(self, store: MVASStore, *, every: int = 100, warmup: int = 100,

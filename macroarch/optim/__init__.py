@@ -6,7 +6,7 @@
 - ``scale``: ``NormGradScaler``, the post's gradient scale used as a loss scale (beside ``torch.amp.GradScaler``);
 - ``spike_guard``: ``LossSpikeGuard``, "loss moves by more than 15% -> act";
 - ``recipe``: the LR multiplier (1.2-1.5x) and the warmup extension (+30%) as functions for torch schedulers;
-- ``experiments``: the training runs that notebooks 06 (C8) and 08 (C10) sweep.
+- ``master_adamw``: ``MasterWeightAdamW``, bf16/fp16 weights with an fp32 master copy (the mixed-precision baseline).
 """
 
 from macroarch.optim.compensated_adamw import (
@@ -15,6 +15,7 @@ from macroarch.optim.compensated_adamw import (
     CompensatedAdamW,
     global_grad_norm,
 )
+from macroarch.optim.master_adamw import MasterWeightAdamW
 from macroarch.optim.recipe import (
     POST_LR_MULTIPLIERS,
     POST_WARMUP_EXTENSION,
@@ -28,6 +29,7 @@ from macroarch.optim.scale import POST_TARGET, NormGradScaler, NormScaleConfig, 
 from macroarch.optim.spike_guard import ACTIONS, LossSpikeGuard, SpikeTrigger
 
 __all__ = [
+    "MasterWeightAdamW",
     "ACTIONS",
     "AUTO_MASTER_MIN_ACCUMULATION",
     "LOW_PRECISION",

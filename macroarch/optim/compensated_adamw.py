@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
-from macroarch._optim_state import restore_saved_state
 from macroarch.dgr.compensation import GradientCompensator
+from macroarch.optim._state import restore_saved_state
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from macroarch.comm import GradientBucketer
-from macroarch.comm._workload import Workload, flat_grads, lm_loss
+from macroarch.measure.workload import Workload, flat_grads, lm_loss
 
 TINY = Workload(d_model=32, n_layers=2, n_heads=2, seq_len=8, batch_size=2)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from dist_checks import TINY
 
-from macroarch.comm import CollectiveError, LaunchError, MiB, dead_rank, launch
+from macroarch.comm import CollectiveError, LaunchError, MiB, launch
+from macroarch.measure.comm_bench import dead_rank
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.distributed

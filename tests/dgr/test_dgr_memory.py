@@ -5,7 +5,7 @@ import copy
 import torch
 
 from macroarch.dgr import DGRWrapper
-from macroarch.memory import measure_step
+from macroarch.measure.memory import measure_step
 from macroarch.models import get_model_spec
 
 

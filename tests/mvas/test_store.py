@@ -9,7 +9,7 @@ import pytest
 import torch
 from model_zoo import ZOO
 
-from macroarch.memory import measure_step
+from macroarch.measure.memory import measure_step
 from macroarch.mvas import plan_from_rules, storage_bytes
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.mvas.store import PAYLOAD_SUFFIX, apply

@@ -2,9 +2,9 @@
 
 import pytest
 
-from macroarch import paper, runner
-from macroarch.claims import GRADES
-from macroarch.tracking import read_result, result_path
+from macroarch.repro import paper, runner
+from macroarch.repro.claims import GRADES
+from macroarch.repro.tracking import read_result, result_path
 
 JOBS = runner.load_profile("ci")
 

@@ -1,0 +1,155 @@
+"""A notebook's parameters: read from its ``parameters`` cell, resolved against a profile, recorded whole.
+
+The ``parameters`` cell is the single definition of what a notebook can be run with. Each line is one
+annotated assignment with a comment that says what it means::
+
+    profile: str = "cpu"        # ci | cpu | gpu: every parameter left None takes this profile's value
+    steps: int = None           # training steps
+    lr: float = 3e-3            # a value that is the same in every profile
+
+``resolve_parameters(stem, globals())``, the first call after the cell, fills each parameter that is still
+``None`` from ``papermill_runs/<profile>.yaml`` (so ``papermill ... -p profile ci`` runs at ci sizes), checks
+every value against its annotation, resolves ``compute_dtype: auto`` to what this machine computes fast, writes
+the effective values back into the namespace and returns them: that mapping is the run's config, passed whole
+to ``start_run``, so W&B and ``result.json`` hold every parameter that ran and nothing retyped by hand.
+
+The runner uses the same parser to check a profile's values before any kernel starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from macroarch.config import ConfigError
+from macroarch.paths import check_profile, project_root
+
+#: the annotations a parameter may carry, and the Python types its value may have
+TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (float, int),
+    "bool": (bool,),
+    "list": (list, tuple),
+    "dict": (dict,),
+}
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One line of a ``parameters`` cell: ``name: type = default  # help``."""
+
+    name: str
+    type: str
+    default: Any
+    help: str
+
+    def check(self, value: Any, where: str) -> None:
+        """Raise :class:`ConfigError` naming the parameter when ``value`` is not of its declared type."""
+        if value is None:
+            return
+        ok = TYPES[self.type]
+        if isinstance(value, bool) and self.type in ("int", "float"):
+            ok = ()  # True is an int to Python, never a size here
+        if not isinstance(value, ok):
+            raise ConfigError(f"{where}: parameter {self.name!r} must be {self.type}, got {value!r} "
+                              f"({type(value).__name__})")
+
+
+def notebook_path(stem: str, root: Path | None = None) -> Path:
+    return (root or project_root()) / "notebooks" / f"{stem}.ipynb"
+
+
+def parameters_cell(path: Path) -> str:
+    """The source of the notebook's cell tagged ``parameters``."""
+    try:
+        nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read notebook {path}: {e}") from None
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
+            src = cell["source"]
+            return "".join(src) if isinstance(src, list) else src
+    raise ConfigError(f"{path} has no cell tagged 'parameters'")
+
+
+def parse_parameters(source: str, where: str = "parameters cell") -> dict[str, Parameter]:
+    """Every ``name: type = default  # help`` of a parameters cell, in order; anything else is an error."""
+    lines = source.splitlines()
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise ConfigError(f"{where}: line {e.lineno}: {e.msg}") from None
+    params: dict[str, Parameter] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None):
+            raise ConfigError(f"{where}: line {node.lineno} is not 'name: type = value  # help'")
+        kind = ast.unparse(node.annotation)
+        if kind not in TYPES:
+            raise ConfigError(f"{where}: parameter {node.target.id!r} has type {kind!r}; use one of "
+                              f"{', '.join(TYPES)}")
+        try:
+            default = ast.literal_eval(node.value)
+        except ValueError:
+            raise ConfigError(f"{where}: parameter {node.target.id!r}: default must be a literal") from None
+        line = lines[node.lineno - 1]
+        help_text = line.split("#", 1)[1].strip() if "#" in line[node.value.end_col_offset:] else ""
+        p = Parameter(node.target.id, kind, default, help_text)
+        p.check(default, where)
+        params[p.name] = p
+    if "profile" not in params:
+        raise ConfigError(f"{where}: no 'profile' parameter")
+    return params
+
+
+def notebook_parameters(stem: str, root: Path | None = None) -> dict[str, Parameter]:
+    path = notebook_path(stem, root)
+    return parse_parameters(parameters_cell(path), where=str(path.name))
+
+
+def profile_values(stem: str, profile: str, root: Path | None = None) -> dict[str, Any]:
+    """The parameters ``papermill_runs/<profile>.yaml`` gives notebook ``stem`` (empty if it lists none)."""
+    from macroarch.repro.runner import load_profile  # the runner validates the profile file
+
+    for job in load_profile(profile, root):
+        if job.stem == stem:
+            return dict(job.parameters)
+    return {}
+
+
+def resolve(stem: str, given: Mapping[str, Any], root: Path | None = None) -> dict[str, Any]:
+    """The effective parameters of a run of notebook ``stem``: ``given`` (the cell's values, with whatever
+    papermill injected), each ``None`` filled from the profile, types checked, ``compute_dtype: auto``
+    resolved. Raises :class:`ConfigError` naming the parameter that is wrong or still missing."""
+    spec = notebook_parameters(stem, root)
+    profile = check_profile(given.get("profile", spec["profile"].default))
+    from_profile = profile_values(stem, profile, root)
+    where = f"{stem} ({profile} profile)"
+    out: dict[str, Any] = {}
+    for name, p in spec.items():
+        value = given.get(name, p.default)
+        if value is None:
+            value = from_profile.get(name)
+        if value is None:
+            raise ConfigError(f"{where}: parameter {name!r} is None and papermill_runs/{profile}.yaml gives "
+                              f"no value for it")
+        p.check(value, where)
+        if name == "compute_dtype" and value == "auto":
+            from macroarch.experiments.hardware import auto_compute_dtype
+
+            value = auto_compute_dtype(given.get("device", "cpu"))
+        out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def resolve_parameters(stem: str, namespace: MutableMapping[str, Any]) -> dict[str, Any]:
+    """Called by a notebook right after its parameters cell: ``params = resolve_parameters(stem, globals())``.
+    Resolves (see :func:`resolve`), writes the effective values back into ``namespace`` and returns them."""
+    spec = notebook_parameters(stem)
+    params = resolve(stem, {name: namespace.get(name) for name in spec})
+    namespace.update(params)
+    return params
