@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from macroarch.models.layers import find_repeated_layers
-from macroarch.repro._table import format_table
+from macroarch._table import format_table
 
 _OUTSIDE = "outside"
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from macroarch.mvas.formats import dtype_format, get_format, quantization_error, storage_bytes
-from macroarch.repro._table import format_table
+from macroarch._table import format_table
 
 Rule = tuple[str, str]
 # norms as transformers (``input_layernorm``, ``LayerNorm``, ``norm``), timm (``norm1``) and open_clip / GPT-2

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from macroarch.config import ConfigError
 from macroarch.paths import PROFILES
-from macroarch.repro._table import format_table
+from macroarch._table import format_table
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:

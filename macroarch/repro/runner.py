@@ -34,7 +34,7 @@ from typing import Any
 
 from macroarch.config import ConfigError, check_keys, load_yaml
 from macroarch.paths import check_profile, out_root, project_root
-from macroarch.repro._table import format_table
+from macroarch._table import format_table
 from macroarch.repro.claims import CLAIMS, parse_claim_ids
 from macroarch.repro.tracking import COMPLETE, FAILED, read_result, result_path, write_json_atomic
 
