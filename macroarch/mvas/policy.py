@@ -33,6 +33,7 @@ formats use ``block_size``; a tensor whose element count it does not divide gets
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from macroarch.mvas.formats import dtype_format, get_format, quantization_error, storage_bytes
 from macroarch._table import format_table
+from macroarch.mvas.formats import dtype_format, get_format, quantization_error, storage_bytes
 
 Rule = tuple[str, str]
 # norms as transformers (``input_layernorm``, ``LayerNorm``, ``norm``), timm (``norm1``) and open_clip / GPT-2
@@ -267,6 +268,62 @@ def clip_rules(model: nn.Module, policy: Mapping[str, object], image_blocks: Seq
                 blocks = [f"{root_name}.{n}" for n, _ in find_repeated_layers(root)]
             rules += split_rules(list(blocks), formats)
         rules += [(prefix, formats[-1]) for prefix in prefixes]
+    return rules
+
+
+#: the input embeddings of a part (open_clip's conv1 / class and positional embeddings, timm's patch_embed /
+#: cls_token / pos_embed, transformers' embed_tokens / wpe / wte / patch_embeddings)
+EMBEDDING_PATTERNS = ("*embed*", "*conv1*", "*cls_token*", "*wte*", "*wpe*")
+
+
+def policy_rules(model: nn.Module, policy: Mapping[str, object], *, shallow_fraction: float = 0.5,
+                 embedding_is_shallow: bool = True,
+                 embedding_patterns: Sequence[str] = EMBEDDING_PATTERNS) -> list[Rule]:
+    """Rules for any model from a precision policy ``{part: format | [shallow, deep]}``.
+
+    A part is a CLIP tower (``text``, ``image``; for open_clip models) or a glob over parameter names
+    (``model.layers.*``). One format covers the whole part. A ``[shallow, deep]`` pair splits the part's
+    repeated blocks (``find_repeated_layers``, input side first): the first ``ceil(shallow_fraction * n)``
+    blocks take the shallow format, the rest the deep one; the part's input embeddings outside its blocks
+    (``embedding_patterns``: a ViT's patch embedding, class token and position embedding, a text tower's token
+    and position embeddings) are shallow when ``embedding_is_shallow``, and everything else outside the blocks
+    (final norm, output projection) is deep. Norms, biases and small tensors still
+    keep their dtype (``plan_from_rules``). Raises ``ValueError`` naming the part when it matches nothing or
+    has too few blocks for a pair.
+    """
+    from macroarch.models.layers import find_repeated_layers
+
+    if not 0.0 < shallow_fraction < 1.0:
+        raise ValueError(f"shallow_fraction={shallow_fraction} must be in (0, 1)")
+    names = [n for n, _ in model.named_parameters()]
+    is_clip = isinstance(getattr(model, "visual", None), nn.Module)
+    rules: list[Rule] = []
+    for part, value in policy.items():
+        formats = [value] if isinstance(value, str) else list(value)
+        if not formats or len(formats) > 2:
+            raise ValueError(f"precision_policy.{part}: {value!r} must be one format or a [shallow, deep] pair")
+        formats = [get_format(f).name for f in formats]
+        if is_clip and part in CLIP_TOWERS:
+            prefixes, root = _clip_towers(model)[part]
+            root_name = next(n for n, m in model.named_modules() if m is root)
+            blocks = [f"{root_name}.{n}" if root_name else n for n, _ in find_repeated_layers(root)]
+        else:
+            prefixes = [part]
+            blocks = [n for n, _ in find_repeated_layers(model) if _matches(n, part)]
+        members = [n for n in names if any(_matches(n, pre) for pre in prefixes)]
+        if not members:
+            raise ValueError(f"precision_policy.{part}: matches no parameter of {type(model).__name__}")
+        if len(formats) == 2:
+            if len(blocks) < 2:
+                raise ValueError(f"precision_policy.{part}: a [shallow, deep] pair needs at least 2 repeated "
+                                 f"blocks in the part; found {len(blocks)}")
+            n_shallow = min(len(blocks) - 1, max(1, math.ceil(shallow_fraction * len(blocks) - 1e-9)))
+            rules += [(b, formats[0] if i < n_shallow else formats[1]) for i, b in enumerate(blocks)]
+            if embedding_is_shallow:
+                rules += [(n, formats[0]) for n in members
+                          if not any(_matches(n, b) for b in blocks)
+                          and any(fnmatch.fnmatchcase(n, pat) for pat in embedding_patterns)]
+        rules += [(pre, formats[-1]) for pre in prefixes]
     return rules
 
 

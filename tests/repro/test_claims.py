@@ -18,7 +18,7 @@ from macroarch.repro.claims import (
     parse_claim_ids,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLAIMS_MD = ROOT.parent / "shared" / "CLAIMS.md"
 
 

@@ -32,7 +32,7 @@ from macroarch.repro.wandb_offline import (  # noqa: E402  (after the importorsk
     read_offline_run,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Settings that keep an offline init fast and side-effect free: no console capture (pytest owns
 # stdout), no system-stats sampler, no machine/git/code/metadata probing, no job artifact.

@@ -1,0 +1,144 @@
+"""Stack the macro-architecture's techniques on a model, in the one order in which they compose.
+
+``apply(model, config)`` is the single place that knows the order (in the spirit of torchtitan's
+``parallelize_llama``); notebooks, experiments and benchmarks call it instead of repeating it::
+
+    config = load_config("configs/clip_post.yaml")      # the post's own block, or a MacroConfig
+    stack = compose.apply(model, config, example_inputs=batch)
+    for batch in loader:
+        loss = loss_fn(stack.model, batch)
+        loss.backward()                                 # with DGR, groups step here
+        stack.optimizer.step()
+        stack.optimizer.zero_grad()
+        stack.after_step()                              # MVAS re-planning, if configured
+
+The order, and why it is this one:
+
+1. **MVAS store** (``mvas.apply``): packs the planned weights and serves them just in time. It comes first
+   because everything after it holds parameters by identity (DGR's groups, the optimizer's param groups) and
+   must see the managed parameters, not the dense ones it replaces.
+2. **MVAS schedule** (``MVASSchedule``, only with ``mvas.replan_every``): its gradient hooks accumulate the
+   Fisher importance, so they must be registered before DGR's hooks, which step each group and free its
+   gradients during backward.
+3. **DGR** (``DGRWrapper``): groups from the autograd graph of one forward pass (``example_inputs`` /
+   ``loss_fn``, or the first training forward).
+4. **The optimizer**: ``MVASAdamW`` when weights are packed (it writes them back, with stochastic rounding or
+   a master copy, and keeps block-quantised moments), else ``CompensatedAdamW`` (with every option off it is
+   ``torch.optim.AdamW``); under DGR it runs per group (``wrapper.optimizer``).
+
+Across processes, a gradient all-reduce (``GradientBucketer``, DDP's hooks) must act on a gradient before
+DGR's step consumes it: build it on ``stack.model`` before the first backward. That is not done here.
+
+Nothing is applied until the whole config has been checked and the precision plan built, so a bad config
+raises :class:`~macroarch.config.ConfigError` and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from macroarch import mvas
+from macroarch.config import ConfigError, MacroConfig, load_config
+from macroarch.dgr import DGRWrapper
+from macroarch.optim import CompensatedAdamW
+
+
+@dataclass
+class Stack:
+    """What a training loop needs after :func:`apply`.
+
+    Attributes:
+        model: what the loop calls: the ``DGRWrapper`` when DGR is on, else the model itself.
+        module: the user's model (inside the wrapper, if any): for saving, evaluation, attribute access.
+        optimizer: a ``torch.optim.Optimizer`` (schedulers and ``state_dict`` work).
+        store: the ``MVASStore`` (None without MVAS).
+        schedule: the ``MVASSchedule`` (None without re-planning).
+        config: the config that was applied.
+    """
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    store: Any = None
+    schedule: Any = None
+    config: MacroConfig | None = None
+
+    def after_step(self) -> None:
+        """Call once after each ``optimizer.step()``: advances the MVAS schedule, if any."""
+        if self.schedule is not None:
+            self.schedule.step()
+
+    def describe(self) -> str:
+        parts = [f"optimizer: {type(self.optimizer).__name__}"]
+        if self.store is not None:
+            parts.append(self.store.plan.describe().splitlines()[-1])
+        if isinstance(self.model, DGRWrapper) and self.model.grouping is not None:
+            parts.append(f"DGR: {len(self.model.grouping.groups)} groups of up to {self.model.group_size} blocks")
+        return "\n".join(parts)
+
+
+def precision_plan(model: nn.Module, config: MacroConfig) -> mvas.PrecisionPlan | None:
+    """The MVAS plan ``config`` asks for on ``model`` (None without MVAS); the model is not touched."""
+    if not config.uses_mvas:
+        return None
+    c = config.mvas
+    if c.precision_policy is not None:
+        try:
+            rules = mvas.policy_rules(model, c.precision_policy, shallow_fraction=c.shallow_fraction,
+                                      embedding_is_shallow=c.embedding_is_shallow)
+        except ValueError as e:
+            raise ConfigError(f"mvas: {e}") from None
+        return mvas.plan_from_rules(model, rules, block_size=c.block_size, min_numel=c.min_numel)
+    try:
+        return mvas.plan_for_budget(model, target_reduction=c.target_reduction, block_size=c.block_size,
+                                    min_numel=c.min_numel)
+    except ValueError as e:
+        raise ConfigError(f"mvas.target_reduction: {e}") from None
+
+
+def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: Any = None,
+          loss_fn: Callable[..., Any] | None = None, compute_dtype: torch.dtype | None = None,
+          plan: mvas.PrecisionPlan | None = None, seed: int | None = None, run: Any = None) -> Stack:
+    """Apply ``config`` (a :class:`MacroConfig`, a YAML path or a mapping) to ``model`` in the documented order.
+
+    Args:
+        model: any ``nn.Module``, already on its device and in its dtype.
+        example_inputs, loss_fn: one forward pass to build DGR's groups from (see ``DGRWrapper``); without
+            them the groups come from the first training forward, and the optimizer is created then: pass
+            them whenever DGR is on, so that ``stack.optimizer`` exists at once.
+        compute_dtype: the dtype MVAS dequantises weights to (default: each parameter's own).
+        plan: an MVAS plan to use instead of the one the config describes (e.g. from importance).
+        seed: seed of MVASAdamW's stochastic rounding.
+        run: a tracking run the MVAS schedule logs its tier moves to.
+    """
+    if not isinstance(config, MacroConfig):
+        config = load_config(config)
+    if config.uses_dgr and example_inputs is None and loss_fn is None:
+        raise ConfigError("dgr is on: pass example_inputs= (or loss_fn=) so the groups and the optimizer can be "
+                          "built now")
+    if plan is None:
+        plan = precision_plan(model, config)  # every check before the model is touched
+    o = config.optim
+    kwargs: dict[str, Any] = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    store = schedule = None
+    if plan is not None:
+        store = mvas.apply(model, plan, compute_dtype=compute_dtype)
+        if config.mvas.replan_every is not None:
+            schedule = mvas.MVASSchedule(store, every=config.mvas.replan_every, warmup=config.mvas.replan_every,
+                                         block_size=config.mvas.block_size, run=run)
+        optimizer_cls = mvas.MVASAdamW
+        kwargs.update(state_format=config.mvas.state_format, master_weights=config.mvas.master_weights,
+                      min_state_numel=config.mvas.min_numel, seed=seed)
+    else:
+        optimizer_cls = CompensatedAdamW
+    if config.uses_dgr:
+        d = config.dgr
+        wrapper = DGRWrapper(model, group_size=d.group_size, mode=d.mode, accumulation_steps=d.accumulation_steps,
+                             max_grad_norm=d.max_grad_norm, example_inputs=example_inputs, loss_fn=loss_fn)
+        return Stack(wrapper, model, wrapper.optimizer(optimizer_cls, **kwargs), store, schedule, config)
+    return Stack(model, model, optimizer_cls(model.parameters(), **kwargs), store, schedule, config)
