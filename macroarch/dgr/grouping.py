@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch.models.layers import find_repeated_layers
 from macroarch._table import format_table
+from macroarch.models.layers import find_repeated_layers
 
 _OUTSIDE = "outside"
 
