@@ -32,50 +32,57 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR"):  # staging, caches, settings
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     return tmp_path
 
 
+PROFILE_ONLY = 'profile: str = "cpu"  # ci | cpu | gpu: every parameter left None takes this profile\'s value\n'
+PARAMETERS = PROFILE_ONLY + "size: int = None  # a size that differs by profile\n"
 RECORDING = '''
 from macroarch.repro.claims import get_claim
+from macroarch.repro.notebook import resolve_parameters
 from macroarch.repro.tracking import start_run
-with start_run("C4", profile, {"size": size}) as run:
+params = resolve_parameters("02_memory_wall", globals())
+with start_run("C4", profile, params) as run:
     run.summary(post_accounting_bytes=1.4e12 * size, mixed_precision_bytes=2.8e12)
     run.verdict(get_claim("C4").grade(run.metrics, scale=f"size {size}"))
 '''
 FAILING = '''
-raise RuntimeError("deliberate failure " + profile)
+raise RuntimeError("deliberate failure " + profile + "\\nsecond line")
 '''
 
 
-def write_notebook(path, body, params="profile = 'cpu'\nsize = 1"):
+def write_notebook(path, *bodies, params=PARAMETERS):
+    """A notebook: a ``parameters`` cell and one code cell per body."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     cell = nbformat.v4.new_code_cell(params)
     cell.metadata["tags"] = ["parameters"]
-    nb.cells = [cell, nbformat.v4.new_code_cell(body)]
+    nb.cells = [cell, *(nbformat.v4.new_code_cell(b) for b in bodies)]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
 
 
 @pytest.fixture
 def project(isolated, monkeypatch):
-    """A throw-away project: a recording C4 notebook and a failing one under the registry's stems."""
+    """A throw-away project: a recording C4 notebook (annotated parameters, sizes from the profile: ci 1,
+    cpu 2) and a failing one under the registry's stems."""
     root = isolated / "project"
     monkeypatch.setenv("MACROARCH_ROOT", str(root))
     monkeypatch.setenv("WANDB_MODE", "disabled")  # W&B is covered by the tracking tests
     write_notebook(root / "notebooks" / "02_memory_wall.ipynb", RECORDING)
-    write_notebook(root / "notebooks" / "01_gradient_explosion.ipynb", FAILING)
+    write_notebook(root / "notebooks" / "01_gradient_explosion.ipynb", FAILING, params=PROFILE_ONLY)
     write_profile(root, "ci", [{"notebook": "01_gradient_explosion"},
                                {"notebook": "02_memory_wall", "parameters": {"size": 1}}])
+    write_profile(root, "cpu", [{"notebook": "02_memory_wall", "parameters": {"size": 2}}])
     return root
 
 
-def write_profile(root, name, entries):
+def write_profile(root, name, entries, **top):
     import yaml
 
     p = root / "papermill_runs" / f"{name}.yaml"
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(yaml.safe_dump({"description": "test", "notebooks": entries}))
-
-
+    p.write_text(yaml.safe_dump({"description": "test", **top, "notebooks": entries}))

@@ -1,18 +1,23 @@
 """The ``macroarch`` command: ``reproduce | paper | claims | runs | memory``.
 
-Bad input (an unknown profile, claim id, notebook, parameter key, malformed YAML) is one line on stderr
-and exit status 2, with nothing written; a reproduction in which a notebook failed exits 1.
+Exit status: 0 done; 1 a notebook failed; 2 bad input (an unknown profile, claim id, notebook, parameter name
+or type, malformed YAML or result file), with one line on stderr and nothing written; 75 the profile is being
+reproduced by another process (the line names it); 130 interrupted (Ctrl-C), resumable by running the same
+command again.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+from macroarch._table import format_table
 from macroarch.config import ConfigError
 from macroarch.paths import PROFILES
-from macroarch._table import format_table
+
+EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 1, 2, 75, 130
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
@@ -20,63 +25,109 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 
     outcomes = runner.reproduce(args.profile, only=args.only, force=args.force)
     if not args.no_paper:
-        where = paper.build(args.profile)
-        print(f"paper written to {where}/ (claims.md, reproduction.md, figures/)")
-    return 1 if any(o.status == "failed" for o in outcomes) else 0
+        records = paper.collect(args.profile)
+        with runner.ProfileLock(args.profile):
+            where = paper.build(args.profile, records=records)
+        print(f"paper of profile {args.profile} written to {_shown(where)}/ (claims.md, reproduction.md, figures/, "
+              f"evidence/)")
+    return EXIT_FAILED if any(o.status == "failed" for o in outcomes) else 0
 
 
 def _cmd_paper(args: argparse.Namespace) -> int:
-    from macroarch.repro import paper
+    from macroarch.repro import paper, runner
 
-    results = paper.collect(args.profile, args.source)
-    where = paper.build(args.profile, source=args.source, results=results)
-    print(f"paper written to {where}/ from {args.source}: {len(results)} measured claim(s)")
+    records = paper.collect(args.profile, args.source)  # everything read before the paper is touched
+    with runner.ProfileLock(args.profile):
+        where = paper.build(args.profile, source=args.source, records=records)
+    states = ", ".join(f"{n} {s}" for s in paper.STATES if (n := sum(r.state == s for r in records.values())))
+    print(f"paper of profile {args.profile} written to {_shown(where)}/ from {args.source}: "
+          f"{len(records)} claim(s) updated ({states or 'none'})")
     return 0
 
 
+def _shown(path) -> str:
+    try:
+        return str(path.relative_to(os.getcwd()))
+    except ValueError:
+        return str(path)
+
+
 def _cmd_claims(args: argparse.Namespace) -> int:
+    from macroarch.paths import project_root
+    from macroarch.repro import paper
     from macroarch.repro.claims import CLAIMS
     from macroarch.repro.tracking import read_result, result_path
 
-    rows = [("id", "sect.", "notebook", "target", *PROFILES)]
-    for cid, c in CLAIMS.items():
-        grades = []
-        for profile in PROFILES:
+    latest: dict[str, dict[str, str]] = {p: {} for p in PROFILES}
+    for profile in PROFILES:
+        try:  # the paper's rows first; a result file, where there is one, is newer
+            records = paper.load_records(paper.paper_folder(profile))
+        except ValueError as e:
+            print(f"macroarch: warning: {e}", file=sys.stderr)
+            records = {}
+        for cid, rec in records.items():
+            latest[profile][cid] = (rec.verdict or {}).get("grade", rec.state)
+        for cid in CLAIMS:
+            path = result_path(cid, profile)
             try:
-                r = read_result(result_path(cid, profile))
-            except (OSError, ValueError):
-                grades.append("-")
+                r = read_result(path)
+            except FileNotFoundError:
                 continue
-            grades.append(r["verdict"]["grade"] if r.get("status") == "complete" and r.get("verdict")
-                          else r.get("status", "?"))
-        target = c.target_text if len(c.target_text) <= 48 else c.target_text[:45] + "..."
-        rows.append((cid, c.section, c.notebook, target, *grades))
+            except (OSError, ValueError) as e:
+                print(f"macroarch: warning: {e}", file=sys.stderr)
+                latest[profile][cid] = "unreadable"
+                continue
+            latest[profile][cid] = paper._verdict_text(paper.record_from_result(r, path)).replace("**", "") \
+                .split(":")[0]
+
+    rows = [("id", "sect.", "notebook", *PROFILES, "target")]
+    for cid, c in CLAIMS.items():
+        exists = (project_root() / "notebooks" / f"{c.notebook}.ipynb").is_file()
+        rows.append((cid, c.section, c.notebook + ("" if exists else " (planned)"),
+                     *(latest[p].get(cid, "-") for p in PROFILES), c.target_text))
     print(format_table(rows))
+    print("\ncolumns ci, cpu, gpu: the latest verdict per profile (result files, else the profile's paper); "
+          "statements and grading rules: docs/claims.md")
     return 0
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
+    import warnings
+
     from macroarch.paths import out_root, wandb_root
     from macroarch.repro.claims import CLAIMS
     from macroarch.repro.tracking import read_result, result_path
-    from macroarch.repro.wandb_offline import find_offline_runs
+    from macroarch.repro.wandb_offline import OfflineRunWarning, find_offline_runs
 
     rows = [("claim", "profile", "status", "verdict", "finished", "wandb")]
     for profile in PROFILES:
         if args.profile and profile != args.profile:
             continue
         for cid in CLAIMS:
+            path = result_path(cid, profile, out_root())
             try:
-                r = read_result(result_path(cid, profile, out_root()))
-            except (OSError, ValueError):
+                r = read_result(path)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:
+                print(f"macroarch: warning: {e}", file=sys.stderr)
+                rows.append((cid, profile, "unreadable", "-", "-", "-"))
                 continue
             w = r.get("wandb") or {}
+            wtext = f"{w.get('mode') or '-'} {w.get('id') or ''}".strip() + (" (W&B error)" if w.get("error") else "")
             rows.append((cid, profile, r.get("status", "?"), (r.get("verdict") or {}).get("grade", "-"),
-                         r.get("finished") or "-", f"{w.get('mode') or '-'} {w.get('id') or ''}".strip()))
+                         r.get("finished") or "-", wtext))
     print(f"results in {out_root()}:")
     print(format_table(rows) if len(rows) > 1 else "  (none)")
 
-    runs = find_offline_runs(wandb_root())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", OfflineRunWarning)
+        try:
+            runs = find_offline_runs(wandb_root())
+        except FileNotFoundError:
+            runs = []
+    for w in caught:
+        print(f"macroarch: warning: {w.message}", file=sys.stderr)
     wrows = [("run", "claim", "profile", "status", "verdict", "exit", "started", "directory")]
     for run in runs:
         if args.profile and run.config.get("profile") != args.profile:
@@ -86,7 +137,8 @@ def _cmd_runs(args: argparse.Namespace) -> int:
                       run.summary.get("status", "-"), verdict.get("grade", "-") if isinstance(verdict, dict) else "-",
                       "-" if run.exit_code is None else str(run.exit_code),
                       run.started.isoformat(timespec="seconds") if run.started else "-", run.directory.name))
-    print(f"\nW&B offline runs in {wandb_root() / 'wandb'} (upload with `wandb sync <directory>`):")
+    print(f"\nW&B offline runs in {wandb_root() / 'wandb'} (look: `wandb leet <directory>`; upload: "
+          f"`wandb sync <directory>`):")
     print(format_table(wrows) if len(wrows) > 1 else "  (none)")
     return 0
 
@@ -111,14 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macroarch", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("reproduce", help="run a profile's notebooks with papermill, then build the paper")
+    r = sub.add_parser("reproduce", help="run a profile's notebooks with papermill, then update its paper")
     r.add_argument("--profile", default="cpu", help=f"one of {', '.join(PROFILES)} (default: cpu)")
     r.add_argument("--only", metavar="IDS", help="comma-separated claim ids, e.g. C4,C7")
     r.add_argument("--force", action="store_true", help="re-run notebooks whose results are up to date")
-    r.add_argument("--no-paper", action="store_true", help="do not build paper/ afterwards")
+    r.add_argument("--no-paper", action="store_true", help="do not update the paper afterwards")
     r.set_defaults(fn=_cmd_reproduce)
 
-    pp = sub.add_parser("paper", help="build paper/ from the results of a profile")
+    pp = sub.add_parser("paper", help="merge a profile's latest runs into its paper (cpu: paper/; others: "
+                                      "papermill_runs/out/<profile>/paper/)")
     pp.add_argument("--profile", default="cpu")
     pp.add_argument("--source", default="results", help="results (result.json files) or wandb (offline runs)")
     pp.set_defaults(fn=_cmd_paper)
@@ -137,7 +190,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_locations() -> None:
+    from macroarch.paths import out_root
+
+    for var in ("MACROARCH_OUT", "WANDB_DIR"):
+        if (value := os.environ.get(var)) and os.path.exists(value) and not os.path.isdir(value):
+            raise ConfigError(f"{var}={value} is a file; it must name a folder")
+    out = out_root()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output folder {out} is a file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from macroarch.repro.runner import Interrupted, ProfileBusy
+    from macroarch.repro.tracking import ResultFileError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -145,10 +212,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             from macroarch.paths import check_profile
 
             check_profile(args.profile)
+        _check_locations()
         return args.fn(args)
-    except ConfigError as e:
-        print(f"macroarch: error: {e}", file=sys.stderr)
-        return 2
+    except ProfileBusy as e:
+        print(f"macroarch: {e}", file=sys.stderr)
+        return EXIT_BUSY
+    except (ConfigError, ResultFileError) as e:
+        print(f"macroarch: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"macroarch: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return EXIT_FAILED
+    except (Interrupted, KeyboardInterrupt) as e:
+        what = f" ({e})" if str(e) else ""
+        print(f"\nmacroarch: interrupted{what}; run the same command again to resume", file=sys.stderr)
+        if argv is None:  # the console script: nothing of the kernels' shutdown may reach the terminal now
+            sys.stderr.flush()
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept open until the interpreter exits)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 if __name__ == "__main__":

@@ -77,6 +77,16 @@ def parameters_cell(path: Path) -> str:
     raise ConfigError(f"{path} has no cell tagged 'parameters'")
 
 
+def is_annotated(source: str) -> bool:
+    """Whether a parameters cell is in the annotated form (any ``name: type = ...`` line). Cells of untyped
+    ``name = value`` lines (notebooks not converted yet) get a name check only from the runner."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True  # let parse_parameters say what is wrong
+    return any(isinstance(node, ast.AnnAssign) for node in tree.body)
+
+
 def parse_parameters(source: str, where: str = "parameters cell") -> dict[str, Parameter]:
     """Every ``name: type = default  # help`` of a parameters cell, in order; anything else is an error."""
     lines = source.splitlines()
@@ -138,11 +148,11 @@ def resolve(stem: str, given: Mapping[str, Any], root: Path | None = None) -> di
             raise ConfigError(f"{where}: parameter {name!r} is None and papermill_runs/{profile}.yaml gives "
                               f"no value for it")
         p.check(value, where)
-        if name == "compute_dtype" and value == "auto":
-            from macroarch.experiments.hardware import auto_compute_dtype
-
-            value = auto_compute_dtype(given.get("device", "cpu"))
         out[name] = list(value) if isinstance(value, tuple) else value
+    if out.get("compute_dtype") == "auto":
+        from macroarch.experiments.hardware import auto_compute_dtype
+
+        out["compute_dtype"] = auto_compute_dtype(out.get("device", "cpu"))
     return out
 
 

@@ -1,90 +1,284 @@
-"""The paper builder: results of one profile -> ``paper/figures``, ``paper/claims.md``, ``paper/reproduction.md``.
+"""The paper: every claim's latest run, as a verdict table (``claims.md``) and a report with figures.
 
-Nothing here measures or recomputes: every number comes from a result (``result.json`` files, or the
-W&B runs that carry the same config, metrics and verdict, read back offline). Both sources give the
-same table; a test holds them to it. A claim without a complete result is listed as not yet measured.
+Nothing here measures or recomputes: every number comes from a run, read from its ``result.json`` or from
+the W&B run that carries the same config, metrics, verdict and evidence (read back offline). Both sources
+give the same paper; a test holds them to it.
+
+The paper never lies by omission. Each claim's row shows the real state of its latest run:
+
+- ``measured``: the grade, the number measured, the scale;
+- ``failed``: the first line of the error, and the failed notebook as evidence;
+- ``interrupted``: the run says ``running`` but the process that measured it is gone (killed, Ctrl-C);
+- ``running``: a run in progress right now;
+- ``not yet measured``: no run of this claim for this profile, ever.
+
+A paper belongs to one profile. It keeps its own copy of what it shows: ``data/<claim>.json`` (the row's
+record), ``figures/`` and ``evidence/`` (the executed notebooks, so every evidence link resolves, in a clone
+too). Building it *merges*: a claim whose run is newer than the paper's record replaces that record, every
+other row stays as it was, so ``reproduce --only C4`` updates C4's row and nothing else. Only the ``cpu``
+profile writes ``paper/``; other profiles write ``papermill_runs/out/<profile>/paper/``, so a ``ci`` run
+never touches the committed paper.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from macroarch.config import ConfigError
 from macroarch.paths import check_profile, out_root, project_root, wandb_root
 from macroarch.repro.claims import CLAIMS, Claim
-from macroarch.repro.tracking import COMPLETE, read_result, result_path
+from macroarch.repro.tracking import (
+    COMPLETE,
+    FAILED,
+    INTERRUPTED,
+    RUNNING,
+    ResultFileError,
+    read_result,
+    result_path,
+    run_is_alive,
+    write_json_atomic,
+)
 
 SOURCES = ("results", "wandb")
-NOT_MEASURED = "not yet measured"
+PAPER_PROFILE = "cpu"  # the profile whose paper is paper/ (committed)
+MEASURED, NOT_MEASURED = "measured", "not yet measured"
+STATES = (MEASURED, FAILED, INTERRUPTED, RUNNING, NOT_MEASURED)
 
 
 @dataclass
-class ClaimResult:
-    """A complete result of one claim, whichever source it came from."""
+class ClaimRecord:
+    """The latest run of one claim, whichever source it came from: what its row in the paper shows."""
 
     claim: str
     profile: str
-    verdict: dict[str, str]
-    metrics: dict[str, Any]
+    state: str  # one of STATES (never NOT_MEASURED: that is the absence of a record)
+    notebook: str
+    started: str | None = None
+    finished: str | None = None
+    git_commit: str | None = None
+    verdict: dict[str, str] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # the first line of the error of a failed run
     figures: dict[str, Path] = field(default_factory=dict)  # name -> png
-    origin: str = ""
+    evidence: Path | None = None  # the executed notebook
+    wandb_run: str | None = None
+    origin: str = ""  # where the record was read from (not rendered)
 
 
-def from_results(profile: str, out: Path | None = None) -> dict[str, ClaimResult]:
-    """Complete results of ``profile`` from ``papermill_runs/out/<profile>/<claim>/result.json``."""
+def paper_folder(profile: str) -> Path:
+    """``paper/`` for the cpu profile; ``papermill_runs/out/<profile>/paper/`` for the others."""
+    check_profile(profile)
+    return project_root() / "paper" if profile == PAPER_PROFILE else out_root() / profile / "paper"
+
+
+def _first_line(text: Any) -> str:
+    return (str(text).strip().splitlines() or [""])[0][:300]
+
+
+def _evidence_file(state: str, notebook: str, profile: str, started: str | None, out: Path) -> Path | None:
+    """The executed notebook of a run under the runner, if it is still there and not older than the run."""
+    pdir = out / profile
+    names = {MEASURED: [f"{notebook}.ipynb"], FAILED: [f"{notebook}.failed.ipynb", f"{notebook}.ipynb"],
+             INTERRUPTED: [f".{notebook}.partial.ipynb", f"{notebook}.failed.ipynb"],
+             RUNNING: [f".{notebook}.partial.ipynb"]}[state]
+    for name in names:
+        p = pdir / name
+        # The runner deletes a notebook's files when it starts it again, so a partial one is this run's (saved
+        # when its current cell started: before the run did); a finished one is newer than the run it holds.
+        if p.is_file() and (started is None or name.startswith(".") or _mtime_iso(p) >= started[:19]):
+            return p
+    return None
+
+
+def _mtime_iso(path: Path) -> str:
+    import datetime as _dt
+
+    return _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.UTC).isoformat(timespec="seconds")[:19]
+
+
+def record_from_result(r: Mapping[str, Any], path: Path, out: Path | None = None) -> ClaimRecord:
+    """A result file's run as a paper record (its state decided from status, verdict and process)."""
+    out = out or out_root()
+    claim, profile = r.get("claim"), r.get("profile")
+    status = r.get("status")
+    if status == COMPLETE and r.get("verdict"):
+        state = MEASURED
+    elif status == RUNNING:
+        state = RUNNING if run_is_alive(r) else INTERRUPTED
+    elif status == INTERRUPTED:
+        state = INTERRUPTED
+    else:
+        state = FAILED
+    err = r.get("error") or {}
+    error = None
+    if state == FAILED:
+        error = _first_line(f"{err.get('type', 'Error')}: {err.get('message', '')}") if err else \
+            "the run ended without a complete result"
+    notebook = r.get("notebook") or CLAIMS[claim].notebook
+    figures = {n: path.parent / f"{n}.png" for n in r.get("figures", [])}
+    return ClaimRecord(
+        claim=claim, profile=profile, state=state, notebook=notebook, started=r.get("started"),
+        finished=r.get("finished"), git_commit=r.get("git_commit"),
+        verdict=r.get("verdict") if state == MEASURED else None,
+        metrics=dict(r.get("metrics") or {}) if state == MEASURED else {}, error=error,
+        figures={n: p for n, p in figures.items() if p.is_file()} if state == MEASURED else {},
+        evidence=_evidence_file(state, notebook, profile, r.get("started"), out),
+        wandb_run=(r.get("wandb") or {}).get("id"), origin=str(path))
+
+
+def from_results(profile: str, out: Path | None = None) -> dict[str, ClaimRecord]:
+    """The latest run of each claim of ``profile`` from ``papermill_runs/out/<profile>/<claim>/result.json``.
+    A result file that is not one raises :class:`ResultFileError` naming it."""
     out = out or out_root()
     found = {}
     for claim in CLAIMS:
         path = result_path(claim, profile, out)
         try:
             r = read_result(path)
-        except (OSError, ValueError):
+        except FileNotFoundError:
             continue
-        if r.get("status") != COMPLETE or not r.get("verdict"):
-            continue
-        figures = {n: path.parent / f"{n}.png" for n in r.get("figures", [])}
-        found[claim] = ClaimResult(claim, profile, r["verdict"], r.get("metrics", {}),
-                                   {n: p for n, p in figures.items() if p.is_file()}, origin=str(path))
+        except OSError as e:
+            raise ResultFileError(f"{path}: cannot read ({e.strerror})") from None
+        if r.get("claim") != claim or r.get("profile") != profile:
+            raise ResultFileError(f"{path}: holds claim {r.get('claim')!r} of profile {r.get('profile')!r}")
+        found[claim] = record_from_result(r, path, out)
     return found
 
 
-def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimResult]:
-    """Complete results of ``profile`` from W&B offline runs: the latest complete run per claim."""
+def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimRecord]:
+    """The latest W&B run of each claim of ``profile``, read back from the offline runs."""
     from macroarch.repro.wandb_offline import find_offline_runs
+    from macroarch.repro.wandb_sidecar import ARTIFACT_TYPE, plain_name
 
-    found: dict[str, ClaimResult] = {}
-    for run in find_offline_runs(wandb_dir or wandb_root()):  # sorted oldest first: later runs win
+    root = wandb_dir or wandb_root()
+    try:
+        runs = find_offline_runs(root)
+    except FileNotFoundError:
+        runs = []
+    found: dict[str, ClaimRecord] = {}
+    for run in runs:  # oldest first: later runs win
         claim, run_profile = run.config.get("claim"), run.config.get("profile")
         if claim not in CLAIMS or run_profile != profile:
             continue
-        if run.summary.get("status") != COMPLETE or not isinstance(run.summary.get("verdict"), Mapping):
-            continue
-        metric_names = [k for k in run.summary if not k.startswith(("_", "figures/", "series/")) and
-                        k not in ("verdict", "status", "step")]
-        metrics = {k: run.summary[k] for k in metric_names}
-        figures = {}
-        for row in run.history:
-            for key, value in row.items():
-                if key.startswith("figures/") and isinstance(value, Mapping) and value.get("path"):
-                    png = run.files / value["path"]
-                    if png.is_file():
-                        figures[key.removeprefix("figures/")] = png
-        found[claim] = ClaimResult(claim, profile, dict(run.summary["verdict"]), metrics, figures,
-                                   origin=str(run.directory))
+        status = run.summary.get("status")
+        verdict = run.summary.get("verdict")
+        if status == COMPLETE and isinstance(verdict, Mapping):
+            state = MEASURED
+        elif status == FAILED:
+            state = FAILED
+        else:  # no status, or the sidecar saw the measuring process end without finishing the run
+            state = INTERRUPTED
+        files: dict[str, Path] = {}
+        for art in run.artifacts:
+            if art.type == ARTIFACT_TYPE:
+                files = {name: p for name, p in art.files.items() if p.is_file()}
+        notebook = CLAIMS[claim].notebook
+        evidence = next((files[n] for n in (f"{notebook}.ipynb", f"{notebook}.failed.ipynb") if n in files), None)
+        metrics = {}
+        if state == MEASURED:
+            metrics = {name: v for k, v in run.summary.items() if (name := plain_name(claim, k)) is not None}
+        figures = {n.removesuffix(".png"): p for n, p in files.items() if n.endswith(".png")} \
+            if state == MEASURED else {}
+        found[claim] = ClaimRecord(
+            claim=claim, profile=profile, state=state, notebook=notebook,
+            started=run.summary.get("started"), finished=run.summary.get("finished"),
+            git_commit=run.config.get("git_commit"),
+            verdict=dict(verdict) if state == MEASURED else None, metrics=metrics,
+            error=_first_line(run.summary.get("error") or "the run ended without a complete result")
+            if state == FAILED else None,
+            figures=figures, evidence=evidence, wandb_run=run.run_id, origin=str(run.directory))
     return found
 
 
-def collect(profile: str, source: str = "results") -> dict[str, ClaimResult]:
+def collect(profile: str, source: str = "results") -> dict[str, ClaimRecord]:
     check_profile(profile)
     if source == "results":
         return from_results(profile)
     if source == "wandb":
-        return from_wandb(profile)
+        found = from_wandb(profile)
+        if not found:
+            raise ConfigError(f"no W&B runs of profile {profile!r} under {wandb_root() / 'wandb'}; "
+                              f"the paper was left as it was")
+        return found
     raise ConfigError(f"unknown source {source!r}; expected one of {', '.join(SOURCES)}")
+
+
+# --- the paper's own records ------------------------------------------------------------------------------
+
+def load_records(paper: Path) -> dict[str, ClaimRecord]:
+    """The records a paper folder holds (``data/<claim>.json``), paths resolved inside the folder."""
+    records = {}
+    for cid in CLAIMS:
+        p = paper / "data" / f"{cid}.json"
+        if not p.is_file():
+            continue
+        try:
+            d = json.loads(p.read_text(encoding="utf-8"))
+            d["figures"] = {n: paper / "figures" / f"{cid}_{n}.png" for n in d.get("figures", [])}
+            d["evidence"] = paper / d["evidence"] if d.get("evidence") else None
+            records[cid] = ClaimRecord(**d)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ResultFileError(f"{p}: malformed paper record ({e})") from None
+    return records
+
+
+def merge(stored: Mapping[str, ClaimRecord], new: Mapping[str, ClaimRecord]) -> dict[str, ClaimRecord]:
+    """Stored records, each replaced by the new run of its claim unless that run is older."""
+    merged = dict(stored)
+    for cid, r in new.items():
+        old = stored.get(cid)
+        if old is None or (r.started or "") >= (old.started or ""):
+            merged[cid] = r
+    return merged
+
+
+def _store(records: Mapping[str, ClaimRecord], paper: Path) -> dict[str, ClaimRecord]:
+    """Copy each record's figures and evidence into ``paper`` and write its ``data/<claim>.json``; the
+    records returned point at the copies. Files no record points at any more are removed."""
+    figures, evidence, data = paper / "figures", paper / "evidence", paper / "data"
+    for d in (figures, evidence, data):
+        d.mkdir(parents=True, exist_ok=True)
+    kept: dict[str, ClaimRecord] = {}
+    for cid, r in records.items():
+        r = ClaimRecord(**{**asdict(r), "figures": dict(r.figures)})
+        figs = {}
+        for name, png in sorted(r.figures.items()):
+            dst = figures / f"{cid}_{name}.png"
+            if png.resolve() != dst.resolve():
+                _copy(png, dst)
+            figs[name] = dst
+        r.figures = figs
+        if r.evidence is not None:
+            suffix = {MEASURED: "", FAILED: ".failed", INTERRUPTED: ".interrupted", RUNNING: ".running"}[r.state]
+            dst = evidence / f"{r.notebook}{suffix}.ipynb"
+            if r.evidence.resolve() != dst.resolve():
+                _copy(r.evidence, dst)
+            r.evidence = dst
+        kept[cid] = r
+        d = {**asdict(r), "figures": sorted(figs), "origin": "",
+             "evidence": str(r.evidence.relative_to(paper)) if r.evidence else None}
+        write_json_atomic(data / f"{cid}.json", d)
+    used = {p.resolve() for r in kept.values() for p in [*r.figures.values(), r.evidence] if p is not None}
+    for folder, pattern in ((figures, "*.png"), (evidence, "*.ipynb"), (data, "*.json")):
+        for p in folder.glob(pattern):
+            if folder is data:
+                if p.stem not in kept:
+                    p.unlink()
+            elif p.resolve() not in used:
+                p.unlink()
+    return kept
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.partial")
+    shutil.copyfile(src, tmp)
+    tmp.chmod(0o644)
+    tmp.replace(dst)
 
 
 # --- rendering ----------------------------------------------------------------------------------------
@@ -93,22 +287,42 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").strip() or "-"
 
 
-def _evidence(claim: Claim, profile: str) -> str:
-    return f"[{claim.notebook}](../papermill_runs/out/{profile}/{claim.notebook}.ipynb)"
+def _evidence(r: ClaimRecord, paper: Path) -> str:
+    parts = []
+    if r.evidence is not None:
+        parts.append(f"[{r.evidence.name.removesuffix('.ipynb')}]({r.evidence.relative_to(paper).as_posix()})")
+    if r.wandb_run:
+        parts.append(f"W&B `{r.wandb_run}`")
+    return ", ".join(parts) or "-"
 
 
-def claims_table(results: Mapping[str, ClaimResult], profile: str) -> str:
+def _run_text(r: ClaimRecord) -> str:
+    commit = (r.git_commit or "").split("+")[0][:7]
+    dirty = "+dirty" if r.git_commit and r.git_commit.endswith("+dirty") else ""
+    return ", ".join(s for s in (r.profile, (r.started or "")[:10], commit + dirty) if s)
+
+
+def _verdict_text(r: ClaimRecord | None) -> str:
+    if r is None:
+        return NOT_MEASURED
+    if r.state == MEASURED:
+        return f"**{r.verdict.get('grade')}**"
+    if r.state == FAILED:
+        return f"**failed**: {r.error}"
+    if r.state == INTERRUPTED:
+        return "**interrupted**: the run was stopped before it finished"
+    return f"running since {r.started}"
+
+
+def claims_table(records: Mapping[str, ClaimRecord], paper: Path) -> str:
     """The verdict table, one row per claim of the registry, in registry order."""
-    head = ("Claim", "Statement", "Target", "Measured", "Scale", "Profile", "Verdict", "Evidence")
+    head = ("Claim", "Statement", "Target", "Measured", "Scale", "Run", "Verdict", "Evidence")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cid, claim in CLAIMS.items():
-        r = results.get(cid)
-        if r is None:
-            row = (cid, claim.statement, claim.target_text, "-", "-", "-", NOT_MEASURED, "-")
-        else:
-            v = r.verdict
-            row = (cid, claim.statement, v.get("target") or claim.target_text, v.get("measured"), v.get("scale"),
-                   r.profile, f"**{v.get('grade')}**", _evidence(claim, r.profile))
+        r = records.get(cid)
+        v = (r.verdict or {}) if r else {}
+        row = (cid, claim.statement, v.get("target") or claim.target_text, v.get("measured", "-"),
+               v.get("scale", "-"), _run_text(r) if r else "-", _verdict_text(r), _evidence(r, paper) if r else "-")
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -121,64 +335,74 @@ def _metric_value(name: str, v: Any) -> str:
     return text
 
 
-def report(results: Mapping[str, ClaimResult], profile: str, figure_names: Mapping[str, list[str]],
-           source: str) -> str:
-    measured = [c for c in CLAIMS if c in results]
+def _section(r: ClaimRecord, claim: Claim, paper: Path) -> list[str]:
+    v = r.verdict or {}
+    title = v.get("grade") if r.state == MEASURED else r.state
+    lines = [f"## {r.claim} (section {claim.section}): {title}", "", f"> {claim.statement}", ""]
+    if r.state == MEASURED:
+        lines += [f"- Measured: {v.get('measured')}", f"- Target: {v.get('target')}", f"- Scale: {v.get('scale')}"]
+        if v.get("note"):
+            lines.append(f"- Note: {v['note']}")
+    elif r.state == FAILED:
+        lines.append(f"- Failed: {r.error}")
+    lines += [f"- What counts as measuring it: {claim.measures}", f"- Run: {_run_text(r)}",
+              f"- Evidence: {_evidence(r, paper)}"]
+    if r.wandb_run:
+        lines.append(f"  (W&B artifact `evidence-{r.claim}-{r.profile}` of run `{r.wandb_run}`: result.json, "
+                     "figures, executed notebook)")
+    lines.append("")
+    for name in sorted(r.figures):
+        lines += [f"![{r.claim} {name}](figures/{r.claim}_{name}.png)", ""]
+    if r.metrics:
+        lines += ["| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_metric_value(k, r.metrics[k])} |" for k in sorted(r.metrics)]
+        lines.append("")
+    return lines
+
+
+def report(records: Mapping[str, ClaimRecord], profile: str, paper: Path, source: str) -> str:
+    counts = {s: sum(r.state == s for r in records.values()) for s in STATES}
+    counts[NOT_MEASURED] = len(CLAIMS) - len(records)
     lines = [
         "# Reproduction report",
         "",
-        "Every claim of the post (see `shared/CLAIMS.md`), measured by one notebook and graded by the rule in",
-        "`macroarch/claims.py`. Numbers below are read from the runs; nothing here was typed in by hand.",
+        "Every claim of the post (see `docs/claims.md`), measured by one notebook and graded by the rule in",
+        "`macroarch/repro/claims.py`. Numbers below are read from the runs; nothing here was typed in by hand.",
         "",
-        f"Profile: `{profile}`; source: {source}; {len(measured)} of {len(CLAIMS)} claims measured.",
+        f"Profile: `{profile}`; last built from: {source}; " +
+        ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(CLAIMS)} claims).",
         "",
         "## Verdicts",
         "",
-        claims_table(results, profile),
+        claims_table(records, paper),
     ]
-    for cid in measured:
-        r, claim = results[cid], CLAIMS[cid]
-        v = r.verdict
-        lines += [f"## {cid} (section {claim.section}): {v.get('grade')}", "", f"> {claim.statement}", "",
-                  f"- Measured: {v.get('measured')}", f"- Target: {v.get('target')}", f"- Scale: {v.get('scale')}",
-                  f"- What counts as measuring it: {claim.measures}"]
-        if v.get("note"):
-            lines.append(f"- Note: {v['note']}")
-        lines.append(f"- Evidence: {_evidence(claim, profile)}")
-        lines.append("")
-        for name in figure_names.get(cid, []):
-            lines += [f"![{cid} {name}](figures/{cid}_{name}.png)", ""]
-        if r.metrics:
-            lines += ["| metric | value |", "|---|---|"]
-            lines += [f"| {k} | {_metric_value(k, r.metrics[k])} |" for k in sorted(r.metrics)]
-            lines.append("")
-    pending = [c for c in CLAIMS if c not in results]
+    for cid, claim in CLAIMS.items():
+        if cid in records:
+            lines += _section(records[cid], claim, paper)
+    pending = [c for c in CLAIMS if c not in records]
     if pending:
         lines += ["## Not yet measured", "", ", ".join(pending), ""]
     return "\n".join(lines)
 
 
-def build(profile: str = "cpu", *, source: str = "results", paper_dir: Path | None = None,
-          results: Mapping[str, ClaimResult] | None = None) -> Path:
-    """Write the paper for ``profile`` from ``source``; returns the paper folder."""
-    results = collect(profile, source) if results is None else results
-    paper = paper_dir or (project_root() / "paper")
-    figures = paper / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
-    for old in figures.glob("*.png"):  # a figure whose claim lost its result must not linger
-        old.unlink()
-    names: dict[str, list[str]] = {}
-    for cid, r in results.items():
-        for name, png in sorted(r.figures.items()):
-            shutil.copyfile(png, figures / f"{cid}_{name}.png")
-            names.setdefault(cid, []).append(name)
+def build(profile: str = PAPER_PROFILE, *, source: str = "results", paper_dir: Path | None = None,
+          records: Mapping[str, ClaimRecord] | None = None) -> Path:
+    """Merge the latest runs of ``profile`` (from ``source``) into its paper and render it; returns the folder.
+
+    Everything is read before anything is written: a source that fails (no W&B runs, a malformed result
+    file) leaves the paper as it was."""
+    records = collect(profile, source) if records is None else records
+    paper = paper_dir or paper_folder(profile)
+    stored = load_records(paper) if (paper / "data").is_dir() else {}
+    merged = _store(merge(stored, records), paper)
     _write_text(paper / "claims.md", f"# Claims and verdicts (profile `{profile}`)\n\n" +
-                claims_table(results, profile))
-    _write_text(paper / "reproduction.md", report(results, profile, names, source))
+                claims_table(merged, paper))
+    _write_text(paper / "reproduction.md", report(merged, profile, paper, source))
     return paper
 
 
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.partial")
     tmp.write_text(text, encoding="utf-8")
+    tmp.chmod(0o644)
     tmp.replace(path)

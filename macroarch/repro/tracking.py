@@ -2,28 +2,31 @@
 
 ``start_run`` is the only way a notebook records what it measured::
 
-    with start_run("C4", profile, config) as run:
-        run.log(step=i, loss=...)          # series: name -> [{step, value}]
-        run.summary(total_bytes=...)       # scalar metrics
-        run.figure("bytes_by_category", fig)
-        run.verdict(get_claim("C4").grade(metrics, scale=...))
-
-or, across notebook cells, ``run = start_run(...)`` ... ``run.finish()``.
+    run = start_run("C4", profile, params)   # params: the notebook's parameters, whole
+    run.log(step=i, loss=...)                # series: name -> [{step, value}]
+    run.summary(total_bytes=...)             # scalar metrics
+    run.table("sweep", rows)                 # a list of dicts (one per row): sweeps, grids
+    run.figure("bytes_by_category", fig)
+    run.verdict(get_claim("C4").grade(metrics, scale=...))
+    run.finish()                             # or use the run as a context manager
 
 Guarantees, because the paper trusts these files:
 
-- ``papermill_runs/out/<profile>/<claim>/result.json`` is only ever replaced whole (write to a temporary
-  file in the same folder, fsync, ``os.replace``). It says ``"status": "running"`` from the moment the
-  run starts, ``"complete"`` only after a verdict was recorded and the block exited cleanly, and
-  ``"failed"`` (with the error) if the block raised or ended without a verdict. A killed process leaves
-  ``running``: never a result that looks complete.
-- W&B is best effort. Offline unless the user configured it (``WANDB_API_KEY`` or ``WANDB_MODE``); any
-  W&B error is recorded under ``result["wandb"]["error"]`` and the run carries on without it.
+- ``papermill_runs/out/<profile>/<claim>/result.json`` is only ever replaced whole (temporary file in the
+  same folder, fsync, ``os.replace``; mode 0644). It says ``"status": "running"`` from the moment the run
+  starts, with the measuring process's ``pid`` and ``host`` (so a reader can tell a run in progress from one
+  that was killed), ``"complete"`` only after a verdict was recorded and the run ended cleanly, and
+  ``"failed"`` (with the error) if it raised or ended without a verdict, ``"interrupted"`` if it was stopped
+  (a ``KeyboardInterrupt``: JupyterLab's stop button, the runner's Ctrl-C).
+- W&B is best effort and isolated: the run's W&B side lives in a process of its own
+  (:mod:`macroarch.repro.wandb_sidecar`, which says why), so a dead ``wandb-core``, a bad key, no network or
+  a full disk can neither fail nor slow the measurement; what went wrong is recorded under
+  ``result["wandb"]["error"]``. Offline unless the user configured it (``WANDB_API_KEY`` or ``WANDB_MODE``).
 
-The W&B run gets: config (plus claim, profile, git commit), each ``log`` call as a history row with an
-explicit ``step`` key (series restart their steps, so W&B's own ``_step`` cannot be the series axis),
-under ``series/<name>``, metrics, verdict and status in the summary, and figures as ``wandb.Image`` under
-``figures/<name>``.
+The W&B run: config = the parameters plus claim, profile, git commit and machine; ``group`` = profile,
+``job_type`` = notebook; metric names grouped by claim and kind (see the sidecar); the verdict as a one-row
+table; system metrics of the measuring process and its console output; at the end an ``evidence`` artifact
+(``result.json``, figures and, under the runner, the executed notebook).
 """
 
 from __future__ import annotations
@@ -33,19 +36,35 @@ import datetime as _dt
 import json
 import math
 import os
+import random
+import socket
+import string
 import subprocess
+import sys
 import tempfile
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from macroarch.paths import check_profile, out_root, project_root, wandb_root
-from macroarch.repro.claims import Verdict, get_claim
+from macroarch.repro.claims import CLAIMS, Verdict, get_claim
 
 SCHEMA_VERSION = 1
-RUNNING, COMPLETE, FAILED = "running", "complete", "failed"
+RUNNING, COMPLETE, FAILED, INTERRUPTED = "running", "complete", "failed", "interrupted"
+
+#: set by the runner for the kernels it starts: where the executed notebook will be once papermill is done
+EVIDENCE_ENV = "MACROARCH_EVIDENCE"
+
+
+def wandb_wait_s() -> float:
+    """Seconds a finishing run waits for its W&B process outside the runner (the runner waits itself)."""
+    return float(os.environ.get("MACROARCH_WANDB_WAIT", 10))
+
+
+class ResultFileError(ValueError):
+    """A result file that exists but is not a result: the message names the file and what is wrong."""
 
 
 def result_path(claim: str, profile: str, root: Path | None = None) -> Path:
@@ -53,7 +72,8 @@ def result_path(claim: str, profile: str, root: Path | None = None) -> Path:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace ``path`` with ``data`` as JSON in one step: readers see the old file or the new, never half."""
+    """Replace ``path`` with ``data`` as JSON in one step: readers see the old file or the new, never half.
+    The file is world-readable (0644), like any output a user may want to share or serve."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
@@ -62,6 +82,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -70,21 +91,45 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def read_result(path: Path) -> dict:
-    with Path(path).open(encoding="utf-8") as f:
-        return json.load(f)
+    """A result file as a dict; :class:`ResultFileError` (one line, naming the file) if it is not one."""
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ResultFileError(f"{path}: malformed result file ({e})") from None
+    if not isinstance(data, dict):
+        raise ResultFileError(f"{path}: malformed result file (a JSON {type(data).__name__}, not an object)")
+    if not isinstance(data.get("status"), str):
+        raise ResultFileError(f"{path}: malformed result file (no 'status')")
+    return data
+
+
+def run_is_alive(result: Mapping[str, Any]) -> bool:
+    """Whether the process that wrote a ``running`` result is still running (on this host)."""
+    pid, host = result.get("pid"), result.get("host")
+    if not isinstance(pid, int) or host != socket.gethostname():
+        return host is not None and host != socket.gethostname()  # another host: assume it is
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def git_commit(root: Path | None = None) -> str | None:
-    """The checkout's HEAD, with ``+dirty`` if tracked files differ from it; ``None`` outside git."""
+    """The checkout's HEAD, with ``+dirty`` if tracked files differ from it; ``None`` outside git.
+    ``paper/`` is output, not code: a rebuilt paper does not make the next run dirty."""
     root = root or project_root()
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)paper"], cwd=root, capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return head + ("+dirty" if dirty else "")
+    return head + ("+dirty" if dirty.strip() else "")
 
 
 def _json_default(obj: Any) -> Any:
@@ -116,31 +161,38 @@ def wandb_mode() -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def _run_id() -> str:
+    return "".join(random.SystemRandom().choices(string.ascii_lowercase + string.digits, k=8))
+
+
 class Run:
-    """What ``start_run`` returns. ``summary``, ``figure`` and ``verdict`` write the result file through
-    (``log`` is written with them and at the end), so a long run's progress is visible on disk."""
+    """What ``start_run`` returns. ``summary``, ``table``, ``figure`` and ``verdict`` write the result file
+    through (``log`` is written with them and at the end), so a long run's progress is visible on disk."""
 
     def __init__(self, claim: str, profile: str, config: Mapping[str, Any], path: Path) -> None:
         self.claim, self.profile, self.path = claim, profile, path
         self.dir = path.parent
-        now = _now()
         self._data: dict[str, Any] = {
             "schema": SCHEMA_VERSION,
             "claim": claim,
             "profile": profile,
+            "notebook": CLAIMS[claim].notebook,
             "status": RUNNING,
-            "started": now,
+            "started": _now(),
             "finished": None,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
             "git_commit": git_commit(),
             "config": json.loads(json.dumps(dict(config), default=_json_default)),
             "metrics": {},
             "series": {},
+            "tables": {},
             "figures": [],
             "verdict": None,
             "error": None,
-            "wandb": {"mode": None, "id": None, "dir": None, "error": None},
+            "wandb": {"mode": None, "id": None, "dir": None, "state": None, "error": None, "artifact": None},
         }
-        self._wandb = None
+        self._sidecar = None
         self._verdict_set = False
 
     # --- what notebooks call -------------------------------------------------------------------------
@@ -151,36 +203,43 @@ class Run:
         row = {k: _number(k, v) for k, v in metrics.items()}
         for k, v in row.items():
             self._data["series"].setdefault(k, []).append({"step": step, "value": v})
-        self._wandb_call("log", lambda w: w.log({**{f"series/{k}": v for k, v in row.items()}, "step": step}))
+        self._send("log", row={**{f"{self.claim}/series/{k}": v for k, v in row.items()}, "step": step})
 
     def summary(self, **metrics: Any) -> None:
         """Record scalar metrics (a later value for the same name replaces the earlier one)."""
+        from macroarch.repro.wandb_sidecar import metric_key
+
         row = {k: _number(k, v) for k, v in metrics.items()}
         self._data["metrics"].update(row)
-        self._wandb_call("summary", lambda w: w.summary.update(row))
+        self._send("summary", values={metric_key(self.claim, k): v for k, v in row.items()})
         self._flush()
 
     @property
     def metrics(self) -> dict[str, float]:
         return dict(self._data["metrics"])
 
+    def table(self, name: str, rows: Sequence[Mapping[str, Any]] | Any) -> None:
+        """Record a table (a sweep, a grid): ``rows`` is a list of dicts with the same keys, or a DataFrame."""
+        _check_name("table", name)
+        if hasattr(rows, "to_dict"):  # a pandas DataFrame
+            rows = rows.to_dict("records")
+        rows = [dict(r) for r in rows]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        cells = json.loads(json.dumps([[r.get(c) for c in columns] for r in rows], default=_json_default))
+        self._data["tables"][name] = {"columns": columns, "rows": cells}
+        self._send("table", key=f"{self.claim}/tables/{name}", columns=columns, rows=cells)
+        self._flush()
+
     def figure(self, name: str, fig: Any, *, dpi: int = 150) -> Path:
         """Save a matplotlib figure as ``<claim dir>/<name>.png`` (atomically) and log it to W&B."""
-        if not name or any(c in name for c in "/\\ ") or name.startswith("."):
-            raise ValueError(f"figure name must be a plain file stem, got {name!r}")
+        _check_name("figure", name)
         path = self.dir / f"{name}.png"
         tmp = self.dir / f".{name}.png.partial"
         fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
         os.replace(tmp, path)
         if name not in self._data["figures"]:
             self._data["figures"].append(name)
-
-        def _log(w):
-            import wandb
-
-            w.log({f"figures/{name}": wandb.Image(str(path))})
-
-        self._wandb_call("figure", _log)
+        self._send("image", key=f"{self.claim}/figures/{name}", path=str(path))
         self._flush()
         return path
 
@@ -190,9 +249,11 @@ class Run:
             verdict = Verdict(**fields)
         elif fields:
             raise TypeError("pass a Verdict or its fields, not both")
-        self._data["verdict"] = verdict.to_dict()
+        v = verdict.to_dict()
+        self._data["verdict"] = v
         self._verdict_set = True
-        self._wandb_call("verdict", lambda w: w.summary.update({"verdict": verdict.to_dict()}))
+        self._send("summary", values={"verdict": v})
+        self._send("table", key=f"{self.claim}/verdict", columns=list(v), rows=[list(v.values())])
         self._flush()
         return verdict
 
@@ -228,21 +289,31 @@ class Run:
         self._data["finished"] = _now()
         if error is None:
             self._data["status"] = COMPLETE
-        else:
-            self._data["status"] = FAILED
+        else:  # a KeyboardInterrupt is the stop button, or the runner's Ctrl-C: not a failure of the claim
+            self._data["status"] = INTERRUPTED if isinstance(error, KeyboardInterrupt) else FAILED
             tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             self._data["error"] = {"type": type(error).__name__, "message": str(error), "traceback": tb[-4000:]}
-        self._wandb_call("status", lambda w: w.summary.update({"status": self._data["status"]}))
-        if self._wandb is not None:
-            with contextlib.suppress(Exception):
-                self._wandb.finish(exit_code=0 if error is None else 1)
-                # finish() returns before wandb-core has written the tail of the .wandb file; teardown
-                # waits for it, so a reader (``macroarch runs``, the paper) never sees a truncated run.
-                import wandb
+        _ACTIVE.discard(self)
+        self._flush()  # the measurement is on disk before anything waits on W&B
+        if self._sidecar is None:
+            return
+        summary = {"status": self._data["status"], "finished": self._data["finished"]}
+        if error is not None:
+            summary["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        evidence = {"result.json": str(self.path), **{f"{n}.png": str(self.dir / f"{n}.png")
+                                                      for n in self._data["figures"]}}
+        linger = [p for p in os.environ.get(EVIDENCE_ENV, "").split(os.pathsep) if p]
+        self._sidecar.finish(exit_code=0 if error is None else 1, summary=summary, evidence=evidence,
+                             linger=linger, profile=self.profile)
+        if not linger:  # under the runner, the runner waits for W&B once the executed notebook exists
+            wait = wandb_wait_s()
+            self.merge_wandb_status(self._sidecar.wait(wait), waited=wait)
+            self._flush()
 
-                wandb.teardown()
-            self._wandb = None
-        self._flush()
+    def merge_wandb_status(self, status: Mapping[str, Any], waited: float) -> None:
+        merge_wandb_status(self._data, status, waited)
+        if self._sidecar is not None and self._sidecar.error and not self._data["wandb"]["error"]:
+            self._data["wandb"]["error"] = self._sidecar.error
 
     def _watch_ipython(self) -> None:
         """In IPython, a cell that raises while this run is open finishes it as failed (and closes W&B)."""
@@ -264,54 +335,100 @@ class Run:
         shell.events.register("post_run_cell", _after_cell)
 
     def _start_wandb(self) -> None:
+        from macroarch.repro.wandb_sidecar import Sidecar, read_status
+
         mode = wandb_mode()
-        self._data["wandb"]["mode"] = mode
+        self._data["wandb"].update(mode=mode)
         if mode == "disabled":
             return
+        wdir = wandb_root()
+        init = dict(
+            project=os.environ.get("WANDB_PROJECT", "macroarch"),
+            entity=os.environ.get("WANDB_ENTITY") or None,
+            id=_run_id(),
+            name=f"{self.claim}-{self.profile}",
+            group=self.profile,
+            job_type=self._data["notebook"],
+            tags=[self.claim, self.profile],
+            config={**self._data["config"], "claim": self.claim, "profile": self.profile,
+                    "git_commit": self._data["git_commit"]},
+            dir=str(wdir),
+            mode=mode,
+        )
+        linger = 120.0 if os.environ.get(EVIDENCE_ENV) else 0.0
         try:
-            import wandb
-
-            wdir = wandb_root()
             wdir.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "macroarch"),
-                entity=os.environ.get("WANDB_ENTITY") or None,
-                name=f"{self.claim}-{self.profile}",
-                group=self.profile,
-                job_type=self.claim,
-                tags=[self.claim, self.profile],
-                config={**self._data["config"], "claim": self.claim, "profile": self.profile,
-                        "git_commit": self._data["git_commit"]},
-                dir=str(wdir),
-                mode=mode,
-                reinit="create_new",
-                settings=wandb.Settings(console="off", x_disable_stats=True, silent=True, disable_code=True,
-                                        disable_job_creation=True),
-            )
-            self._wandb.define_metric("series/*", step_metric="step")
-            self._data["wandb"].update(id=self._wandb.id, dir=str(Path(self._wandb.dir).parent))
-        except Exception as e:  # W&B is best effort: the measurement goes on without it
-            self._wandb_failed("init", e)
-
-    def _wandb_call(self, what: str, fn) -> None:
-        if self._wandb is None:
+            self._sidecar = Sidecar(wandb_status_path(self.path), init, linger_s=linger)
+        except Exception as e:  # could not even start the process: the run goes on without W&B
+            self._data["wandb"]["error"] = f"W&B process did not start: {type(e).__name__}: {e}"
+            warnings.warn(self._data["wandb"]["error"], stacklevel=3)
             return
-        try:
-            fn(self._wandb)
-        except Exception as e:
-            self._wandb_failed(what, e)
+        self._data["wandb"].update(id=init["id"], state=read_status(self._sidecar.status_path).get("state"))
+        self._send("summary", values={"status": RUNNING, "started": self._data["started"]})
+        _ACTIVE.add(self)
+        _install_console_tee()
 
-    def _wandb_failed(self, what: str, e: Exception) -> None:
-        msg = f"wandb {what} failed: {type(e).__name__}: {e}"
-        warnings.warn(msg + " (the run continues without W&B)", stacklevel=3)
-        self._data["wandb"]["error"] = msg
-        if self._wandb is not None:
-            with contextlib.suppress(Exception):
-                self._wandb.finish(exit_code=1)
-        self._wandb = None
+    def _send(self, op: str, **payload: Any) -> None:
+        if self._sidecar is not None and not self.finished:
+            self._sidecar.send(op, **payload)
 
     def _flush(self) -> None:
         write_json_atomic(self.path, self._data)
+
+
+def wandb_status_path(result: Path) -> Path:
+    """Where a run's W&B process reports its state: beside ``result.json``."""
+    return Path(result).parent / "wandb.json"
+
+
+def merge_wandb_status(result: dict, status: Mapping[str, Any], waited: float) -> None:
+    """Copy a W&B process's final status into a result's ``wandb`` section (a W&B failure is recorded there,
+    never in the result's own status)."""
+    w = result.setdefault("wandb", {})
+    for key in ("id", "dir", "artifact"):
+        if status.get(key):
+            w[key] = status[key]
+    state = status.get("state")
+    w["state"] = state
+    if status.get("error"):
+        w["error"] = status["error"]
+    elif state not in ("finished", "failed") and w.get("mode") not in (None, "disabled"):
+        w["error"] = f"W&B not finished after {waited:.0f}s (state {state or 'unknown'}); left to finish alone"
+
+
+# --- console: what the notebook prints also reaches its W&B runs ------------------------------------------
+
+_ACTIVE: set[Run] = set()
+
+
+class _Tee:
+    """Stands in for ``sys.stdout`` / ``sys.stderr``: writes go where they went, and to each open run's W&B
+    process (a queue put: it never blocks the notebook)."""
+
+    def __init__(self, stream: Any, name: str) -> None:
+        self._stream, self._name = stream, name
+
+    def write(self, text: str) -> int:
+        n = self._stream.write(text)
+        for run in list(_ACTIVE):
+            with contextlib.suppress(Exception):
+                run._send("console", stream=self._name, text=text)
+        return n
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._stream, attr)
+
+
+def _install_console_tee() -> None:
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Tee):
+            setattr(sys, name, _Tee(stream, name))
+
+
+def _check_name(what: str, name: str) -> None:
+    if not name or any(c in name for c in "/\\ ") or name.startswith("."):
+        raise ValueError(f"{what} name must be a plain file stem, got {name!r}")
 
 
 def start_run(claim: str, profile: str, config: Mapping[str, Any] | None = None) -> Run:

@@ -24,6 +24,21 @@ internal process, and the only reader now lives in the Go ``wandb-core`` binary
 (``core/pkg/leveldb``), which has no Python binding. So the ~60-line chunk reader below is
 unavoidable; everything *inside* a record is decoded with wandb's own protobuf ``Record`` class.
 
+Why not ``wandb leet inspect --json``
+-------------------------------------
+wandb 0.31 ships ``wandb leet inspect --json`` (every record as JSON) and ``--summary --json`` (state,
+summary, config, console tail). It is the right tool to *look* at a run (the README shows it), but the
+paper cannot be built on it, for three reasons measured on 0.31.0:
+
+* it re-encodes values through Go's JSON, so a float with an integral value loses its type
+  (``run.summary.update({"x": 1.4e12})`` comes back as ``1400000000000``): the W&B-sourced paper would
+  print ``1400000000000`` where the result-sourced one prints ``1.4e+12``, and the test that holds both
+  papers equal would fail for a formatting reason. Here ``value_json`` is decoded as the SDK wrote it;
+* ``--summary`` reads one run (the latest by default) and has no history or artifact records; the
+  record stream has them, but costs a Go process start per run (about 1 s on 2 cores), where this
+  reader decodes a run in milliseconds;
+* it is a terminal tool without a Python API, so errors come back as exit codes and text.
+
 Semantics (mirroring what the W&B app would show after ``wandb sync``)
 ----------------------------------------------------------------------
 * **config**: the run record's config, then every config record's ``update``/``remove`` in order.
@@ -76,7 +91,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OfflineRun", "OfflineRunWarning", "find_offline_runs", "read_offline_run"]
+__all__ = ["OfflineArtifact", "OfflineRun", "OfflineRunWarning", "find_offline_runs", "read_offline_run"]
 
 # --- the on-disk format (wandb-core/pkg/leveldb + wandb's stream writer) ---------------------
 _FILE_IDENT = b":W&B"
@@ -93,6 +108,16 @@ _WANDB_INTERNAL_KEY = "_wandb"
 
 class OfflineRunWarning(UserWarning):
     """Emitted by :func:`find_offline_runs` for an offline-run directory it had to skip."""
+
+
+@dataclass(frozen=True)
+class OfflineArtifact:
+    """An artifact an offline run logged: its files are where ``files`` says (name in the artifact -> path)."""
+
+    name: str
+    type: str
+    metadata: dict
+    files: dict  # path in the artifact -> local path (as staged when the run logged it)
 
 
 @dataclass(frozen=True)
@@ -115,6 +140,8 @@ class OfflineRun:
         int | None
     )  # None: no exit record, i.e. the run never called finish() (crashed)
     files: Path  # the run's files/ folder (may not exist for a crashed run)
+    artifacts: tuple[OfflineArtifact, ...] = ()  # in the order they were logged
+    job_type: str | None = None
 
 
 # --- low level: the record log ----------------------------------------------------------------
@@ -316,13 +343,14 @@ def read_offline_run(path: str | PathLike[str]) -> OfflineRun:
     directory = log_file.parent
 
     run_id: str | None = None
-    project = name = group = None
+    project = name = group = job_type = None
     tags: tuple[str, ...] = ()
     started: datetime | None = None
     config: dict = {}
     summary: dict = {}
     history: list[dict] = []
     exit_code: int | None = None
+    artifacts: list[OfflineArtifact] = []
     # define_metric(name/glob, summary=...) entries: their summary comes from wandb-core's derived
     # summary records ({"min": ..}, {"max": ..}), not from "last value logged".
     custom_summary_names: set[str] = set()
@@ -344,6 +372,7 @@ def read_offline_run(path: str | PathLike[str]) -> OfflineRun:
             project = run.project or project
             name = run.display_name or name
             group = run.run_group or group
+            job_type = run.job_type or job_type
             if run.tags:
                 tags = tuple(run.tags)
             if (
@@ -386,6 +415,14 @@ def read_offline_run(path: str | PathLike[str]) -> OfflineRun:
                     custom_summary_globs.append(metric.glob_name)
         elif kind == "exit":
             exit_code = int(record.exit.exit_code)
+        elif kind == "artifact":
+            art = record.artifact
+            try:
+                metadata = json.loads(art.metadata) if art.metadata else {}
+            except ValueError:
+                metadata = {}
+            artifacts.append(OfflineArtifact(name=art.name, type=art.type, metadata=metadata,
+                                             files={e.path: Path(e.local_path) for e in art.manifest.contents}))
 
     config.pop(_WANDB_INTERNAL_KEY, None)
     summary.pop(_WANDB_INTERNAL_KEY, None)
@@ -405,6 +442,8 @@ def read_offline_run(path: str | PathLike[str]) -> OfflineRun:
         history=history,
         exit_code=exit_code,
         files=directory / "files",
+        artifacts=tuple(artifacts),
+        job_type=job_type,
     )
 
 
