@@ -1,4 +1,4 @@
-"""The registry of the post's claims (../shared/CLAIMS.md): what each says, what it targets, how it is graded.
+"""The registry of the post's claims (docs/claims.md): what each says, what it targets, how it is graded.
 
 Every claim has an id (C1-C15, R1) that the notebooks, the result files, W&B runs and the paper share.
 A notebook measures numbers; :meth:`Claim.grade` turns them into a graded :class:`Verdict` with one rule
@@ -170,6 +170,17 @@ class Claim:
     def target_text(self) -> str:
         return "; ".join(t.describe() for t in self.targets)
 
+    @property
+    def grading_text(self) -> str:
+        """How a measurement becomes a grade, in words (the rule's docstring, or the generic rule)."""
+        if self.rule is not None and self.rule.__doc__:
+            return " ".join(self.rule.__doc__.split())
+        if len(self.targets) == 1:
+            return "the target alone: met within its tolerance, reproduced; the right way but short, partially; " \
+                   "within noise of no effect, not reproduced; the other way, contradicted"
+        return "each target graded alone (met, partially, not reproduced, contradicted), then combined: all met, " \
+               "reproduced; all the other way, contradicted; none met, not reproduced; a mixture, partially"
+
     def grade(self, measured: Mapping[str, float], *, scale: str, note: str = "",
               measured_text: str | None = None) -> Verdict:
         """Grade measured metrics (a mapping that holds every target's metric) into a :class:`Verdict`."""
@@ -184,7 +195,8 @@ class Claim:
             grade = combine([g for _, g in per_target])
             why = "; ".join(f"{t.metric}: {g}" for t, g in per_target) if len(per_target) > 1 else ""
         if measured_text is None:
-            measured_text = ", ".join(f"{t.metric} = {_fmt(float(measured[t.metric]))}" for t in self.targets)
+            measured_text = "; ".join(f"{t.metric.replace('_', ' ')} {_fmt(float(measured[t.metric]))}"
+                                      for t in self.targets)
         return Verdict(grade=grade, measured=measured_text, target=self.target_text, scale=scale,
                        note="; ".join(s for s in (why, note) if s))
 

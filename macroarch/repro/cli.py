@@ -52,11 +52,31 @@ def _shown(path) -> str:
         return str(path)
 
 
+def claims_markdown() -> str:
+    """The registry as the Markdown table of docs/claims.md (a test holds the two equal)."""
+    from macroarch.repro.claims import CLAIMS
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| id | section | statement | target | graded by | notebook |", "|---|---|---|---|---|---|"]
+    for cid, c in CLAIMS.items():
+        lines.append(f"| {cid} | {c.section} | {cell(c.statement)} | {cell(c.target_text)} | {cell(c.grading_text)} "
+                     f"| `{c.notebook}` |")
+    lines += ["", "What counts as measuring each claim:", "", "| id | measured by |", "|---|---|"]
+    lines += [f"| {cid} | {cell(c.measures)} |" for cid, c in CLAIMS.items()]
+    return "\n".join(lines) + "\n"
+
+
 def _cmd_claims(args: argparse.Namespace) -> int:
     from macroarch.paths import project_root
     from macroarch.repro import paper
     from macroarch.repro.claims import CLAIMS
     from macroarch.repro.tracking import read_result, result_path
+
+    if args.markdown:
+        print(claims_markdown(), end="")
+        return 0
 
     latest: dict[str, dict[str, str]] = {p: {} for p in PROFILES}
     for profile in PROFILES:
@@ -177,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.set_defaults(fn=_cmd_paper)
 
     c = sub.add_parser("claims", help="the claims registry with the latest verdict per profile")
+    c.add_argument("--markdown", action="store_true", help="the registry as the Markdown table of docs/claims.md")
     c.set_defaults(fn=_cmd_claims)
 
     ru = sub.add_parser("runs", help="list result files and W&B offline runs")
