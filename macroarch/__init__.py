@@ -22,9 +22,14 @@ so ``import macroarch`` (and the CLI) does not pay for torch until it is used.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
+
+# Progress bars are text on purpose (tqdm.auto without ipywidgets): they render in JupyterLab, in executed
+# notebooks and in W&B's console log alike, so tqdm's advice to install ipywidgets is noise here.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 _EXPORTS = {
     "CLAIMS": "macroarch.repro.claims",
