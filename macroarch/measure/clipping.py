@@ -45,8 +45,10 @@ dtype: a relative error up to ``ulp(w) / |step|`` per element, negligible unless
   that remembers the large early gradients, while clipped gradients all have norm ``max_norm``, so the
   clipped steps can be *longer* than the unclipped ones.
 
-``train_loss_curve`` and ``steps_to_target`` measure the other half of the claim, convergence speed:
-the same model, seeds and data trained with and without clipping at several thresholds.
+``steps_to_target`` measures the other half of the claim, convergence speed: the first step at which a
+run's moving-average loss reaches a target. The runs it compares (the same model, seeds and data, with and
+without clipping) are in ``macroarch.experiments.gradient_explosion``; the unclipped one goes through the
+project's training loop, ``macroarch.experiments.loop.train_lm``.
 """
 
 from __future__ import annotations
@@ -254,41 +256,6 @@ def measure_clipping(
     return probe.trace()
 
 
-def train_loss_curve(
-    model: nn.Module,
-    loss_fn: LossFn,
-    batches: Iterable[Any],
-    make_optimizer: MakeOptimizer,
-    steps: int,
-    max_norm: float | None = None,
-    make_scheduler: MakeScheduler | None = None,
-    seed: int | None = None,
-) -> np.ndarray:
-    """Plain training of ``model`` (in place), clipped at ``max_norm`` unless it is None; the loss per step.
-
-    For a convergence comparison give every threshold a freshly built model with the same initial
-    weights, the same batches and the same ``seed``.
-    """
-    _check_steps(steps)
-    if max_norm is not None:
-        _check_max_norm(max_norm)
-    optimizer = make_optimizer(model)
-    scheduler = make_scheduler(optimizer) if make_scheduler is not None else None
-    losses = []
-    with _seeded(seed):
-        for batch in _take(batches, steps):
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model, batch)
-            loss.backward()
-            if max_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            losses.append(float(loss.detach()))
-    return np.array(losses)
-
-
 def steps_to_target(losses: Iterable[float], target: float, window: int = 10) -> int | None:
     """First step at which the mean loss of the trailing ``window`` steps is <= ``target``; None if never.
 
@@ -352,4 +319,4 @@ def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 __all__ = ["ClippingProbe", "ClippingTrace", "StepRecord", "clip_coefficient", "measure_clipping",
-           "steps_to_target", "train_loss_curve"]
+           "steps_to_target"]

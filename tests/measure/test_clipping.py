@@ -13,7 +13,6 @@ from macroarch.measure.clipping import (
     clip_coefficient,
     measure_clipping,
     steps_to_target,
-    train_loss_curve,
 )
 from macroarch.models.bert import bert_small_config, build_bert_mlm, mlm_loss
 
@@ -159,9 +158,6 @@ def test_adamw_probe_trains_exactly_like_clip_grad_norm_and_adamw():
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
 
-    curve = train_loss_curve(build_bert_mlm(config, seed=0), mlm_loss, batches, make_adamw, 6, max_norm, seed=3)
-    assert np.array_equal(curve, np.array(losses))
-
 
 def test_real_and_shadow_adam_states_are_separate():
     model = mlp()
@@ -227,7 +223,6 @@ def test_nonpositive_max_norm_is_rejected_by_name(max_norm):
         lambda: clip_coefficient(1.0, max_norm),
         lambda: ClippingProbe(mlp(), mse_loss, sgd(), max_norm),
         lambda: measure_clipping(mlp(), mse_loss, mse_batches(2), sgd(), max_norm, steps=2),
-        lambda: train_loss_curve(mlp(), mse_loss, mse_batches(2), sgd(), steps=2, max_norm=max_norm),
     ):
         with pytest.raises(ValueError, match="max_norm"):
             call()
@@ -236,8 +231,6 @@ def test_nonpositive_max_norm_is_rejected_by_name(max_norm):
 def test_bad_steps_batches_window_and_optimizer_factory_are_rejected_by_name():
     with pytest.raises(ValueError, match="steps"):
         measure_clipping(mlp(), mse_loss, mse_batches(2), sgd(), 1.0, steps=0)
-    with pytest.raises(ValueError, match="steps"):
-        train_loss_curve(mlp(), mse_loss, mse_batches(2), sgd(), steps=0)
     with pytest.raises(ValueError, match="batches"):
         measure_clipping(mlp(), mse_loss, mse_batches(2), sgd(), 1.0, steps=3)
     with pytest.raises(ValueError, match="window"):
