@@ -17,7 +17,10 @@ right away, while backward carries on with the layers below:
   when no compensator is given. Memory: group g holds ``delays[g]`` gradients and weight copies, i.e.
   ``2 * delays[g]`` times its parameter bytes; with the default delays and G equal groups that is about
   ``G - 1`` times the model. For the first ``delays[g]`` steps group g applies nothing (pipeline fill).
-  ``delays[g] == 0`` is the sync update.
+  ``delays[g] == 0`` is the sync update. **Delays count optimizer steps, not gradients**: every update
+  (every ``step()``, after ``accumulation_steps`` backward passes) advances every group's queue by one, so a
+  gradient computed at update t is applied at update ``t + delays[g]`` exactly, also for a group that gets
+  gradients only on some steps (a step without one queues nothing to apply, and applies what is due).
 
 Optimizer structure: one instance of the user's optimizer class per group (so a group steps alone, with any
 ``torch.optim.Optimizer``), all sharing this object's ``state`` dict, and whose single param group *is*
@@ -35,12 +38,27 @@ during backward gives up; so clipping is per group (``clip_mode="per_group"``): 
 backward produced it (in interleaved mode before it is queued), is clipped with ``clip_grad_norm_`` to its
 group's ``max_grad_norm``.
 
-Failure safety (``atomic_steps=True``): before a group steps, its parameters, optimizer state and
-compensator state are copied (three times the group's bytes for AdamW: memory for one group, and copy
-time for the whole model every step; ``atomic_steps=False`` skips it); if the
-step raises, all are restored, the delay queue is left as it was, ``.grad`` keeps the gradient it held
-(clipped, if clipping is on), and a RuntimeError naming the group is raised from the original error (out of
-``loss.backward()`` when it happened there). Groups updated earlier in the same backward keep their update.
+Failure safety. Non-finite values: a group's gradients are checked before it steps (one float32 sum per
+tensor); an inf or NaN gradient anywhere, or a non-finite loss (``observe_loss(loss)`` before backward, or a
+``step(closure)``), skips the whole step: the group and every group after it update nothing, and with
+``atomic_steps=True`` the groups updated earlier in the same step are rolled back, so weights (packed or
+not), optimizer state, step counters, delay queues and compensator state are bitwise as before the step.
+The skip is counted in ``skipped_nonfinite`` (saved in ``state_dict``). Exceptions: if a group's step
+raises, with ``atomic_steps=True`` the whole step is rolled back the same way, ``.grad`` keeps the gradient
+the failing group held (clipped, if clipping is on), and a RuntimeError naming the group is raised from the
+original error (out of ``loss.backward()`` when it happened there).
+Cost of ``atomic_steps=True``: before a group steps its parameters, optimizer state, queue and compensator
+state are copied, and the copies of every group updated in a step live until the step ends (``step()``): about
+three times the model's parameter bytes at the end of backward for fp32 AdamW, a third of that for
+``MVASAdamW``'s packed weights and fp8 moments, and copy time for the whole model every step.
+``atomic_steps=False`` keeps no copies: a non-finite gradient then skips its group and the ones after it,
+earlier groups keep their update, and an exception may leave the failing group partly updated.
+
+Reporting: ``grad_norm()`` is the norm of the whole gradient of the current step (before clipping), from the
+norms of the groups already updated (measured as they stepped, when clipping or ``track_grad_norm`` is on) and
+of the gradients still held; HF Trainer integration logs it (``macroarch.integrations``). An optimizer that
+scales the loss (``CompensatedAdamW(grad_scale=...)``) has its gradients unscaled (its ``unscale_()``) before
+they are clipped, so ``max_grad_norm`` applies to the true gradient.
 
 Sources: updating inside backward with post-accumulate-grad hooks is the technique of PyTorch's tutorial
 "How to save memory by fusing the optimizer step into the backward pass"; the per-stage staleness is that
@@ -138,6 +156,15 @@ class PipelineConfig:
         return value
 
 
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite: one float32 sum each (inf and NaN propagate into it; a
+    sum that overflows float32, elements near 1e30 and beyond, counts as non-finite), one synchronisation."""
+    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
+        return True  # fake tensors (full-size memory measurements) have no values to check
+    sums = [t.sum(dtype=torch.float32) for t in tensors]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+
+
 def _on_grad_ready(ref: weakref.ref, param: torch.Tensor) -> None:
     optimizer = ref()  # a weak reference: hooks must not keep a discarded optimizer alive, nor call it
     if optimizer is not None:
@@ -163,6 +190,9 @@ class DGROptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: passed to ``optimizer_cls`` (``lr=...``).
     """
 
+    # Managed (packed) weights are written only by the per-group optimizers, each checked when it is built.
+    supports_mvas_weights = True
+
     def __init__(self, grouping: Grouping, optimizer_cls: Callable[..., torch.optim.Optimizer],
                  config: PipelineConfig | None = None, compensator: GradientCompensator | None = None,
                  **optimizer_kwargs: Any) -> None:
@@ -186,6 +216,7 @@ class DGROptimizer(torch.optim.Optimizer):
             if not isinstance(inner, torch.optim.Optimizer) or len(inner.param_groups) != 1:
                 raise ValueError(f"optimizer_cls {name} must return a torch.optim.Optimizer with one param group, "
                                  f"got {type(inner).__name__} for DGR group {group.index}")
+            _check_packed_weights(inner, group)
             inner.param_groups[0]["max_grad_norm"] = norms[group.index]
             self._inner.append(inner)
         self._building = True
@@ -202,6 +233,11 @@ class DGROptimizer(torch.optim.Optimizer):
         self._release: list[torch.Tensor] = []  # parameters whose gradients are freed at the next arrival
         self._task = -1  # the graph task (backward pass) the hooks last saw
         self._suspended = False
+        self._poisoned = False  # this step saw a non-finite gradient or loss: nothing more is updated
+        self._rollback: list[tuple[int, tuple[Any, ...]]] = []  # (group, copies) updated in this step
+        self._norm_sq = 0.0  # squared gradient norms of the groups updated in this step
+        self.track_grad_norm = False  # measure each group's gradient norm as it steps (grad_norm())
+        self.skipped_nonfinite = 0
         ref = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: _on_grad_ready(ref, p))
                          for p in self._group_of]
@@ -229,14 +265,22 @@ class DGROptimizer(torch.optim.Optimizer):
                 loss = closure()
         if 0 < self._micro < self.config.accumulation_steps:
             return loss
+        if loss is not None:
+            self.observe_loss(loss)
         self._free_released()
         for index in range(len(self._inner)):
             if index not in self._done:
                 self._update(index)
+        self._end_step()
+        return loss
+
+    def _end_step(self) -> None:
         self._free_released()
         self._done.clear()
         self._micro = 0
-        return loss
+        self._poisoned = False
+        self._rollback.clear()
+        self._norm_sq = 0.0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, except between the backward passes of one accumulation."""
@@ -252,8 +296,10 @@ class DGROptimizer(torch.optim.Optimizer):
             "delays": list(self._delays),
             "micro_step": self._micro,
             "done": sorted(self._done),
-            "pending": [[{"grads": grads, "w_then": w_then} for grads, w_then in queue] for queue in self._pending],
+            "pending": [[None if e is None else {"grads": e[0], "w_then": e[1]} for e in queue]
+                        for queue in self._pending],
             "compensator": None if self.compensator is None else self.compensator.state_dict(),
+            "skipped_nonfinite": self.skipped_nonfinite,
         }
         return state
 
@@ -271,10 +317,14 @@ class DGROptimizer(torch.optim.Optimizer):
         if dgr is None:
             return
         self._micro, self._done = int(dgr["micro_step"]), set(dgr["done"])
+        self.skipped_nonfinite = int(dgr.get("skipped_nonfinite", 0))
         for index, (queue, saved) in enumerate(zip(self._pending, dgr["pending"])):
             params = self.grouping.groups[index].params
             queue.clear()
             for entry in saved:
+                if entry is None:  # a step on which the group had no gradient
+                    queue.append(None)
+                    continue
                 queue.append(([None if g is None else g.detach().to(p.device, copy=True)
                                for g, p in zip(entry["grads"], params)],
                               [w.detach().to(p.device, copy=True) for w, p in zip(entry["w_then"], params)]))
@@ -294,6 +344,25 @@ class DGROptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Remove the hooks; the optimizer then steps only through ``step()``."""
         _remove(self._handles)
+
+    def observe_loss(self, loss: float | torch.Tensor) -> bool:
+        """Tell the optimizer the loss of the coming (or just finished) backward; a non-finite one skips the
+        whole step (module docstring). Returns whether it was finite."""
+        finite = math.isfinite(float(loss.detach().float().sum() if torch.is_tensor(loss) else loss))
+        if not finite:
+            self._poison()
+        return finite
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """The 2-norm of the current step's whole gradient before clipping: groups already updated (measured as
+        they stepped, with clipping or ``track_grad_norm``) and gradients still held; NaN after a skip."""
+        if self._poisoned:
+            return math.nan
+        held = [p.grad for index, group in enumerate(self.grouping.groups) if index not in self._done
+                for p in group.params if p.grad is not None]
+        rest = float(torch.nn.utils.get_total_norm(held)) ** 2 if held else 0.0
+        return math.sqrt(self._norm_sq + rest)
 
     # ---------------------------------------------------------------------------------- scheduling
     def _grad_ready(self, param: torch.Tensor) -> None:
@@ -331,43 +400,76 @@ class DGROptimizer(torch.optim.Optimizer):
         self._release.clear()
 
     def _update(self, index: int) -> None:
-        """Clip, (delay and compensate,) and step group ``index``; all-or-nothing when ``atomic_steps``."""
+        """Check, clip, (delay and compensate,) and step group ``index``; all-or-nothing per step when
+        ``atomic_steps`` (module docstring)."""
         group = self.grouping.groups[index]
         params, inner = group.params, self._inner[index]
         fresh = [p.grad for p in params]
-        if all(g is None for g in fresh):
-            return
-        max_norm = self.param_groups[index]["max_grad_norm"]
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
         delay, queue = self._delays[index], self._pending[index]
-        # The weights this gradient was computed at: the group has not moved since this step's forward.
-        entry = (fresh, [p.detach().clone() for p in params]) if delay else None
-        if delay and len(queue) < delay:  # pipeline fill: nothing is due yet
-            queue.append(entry)
+        if self._poisoned:
             self._finish(index, params)
             return
+        if all(g is None for g in fresh) and not delay:
+            return
+        if not all_finite([g for g in fresh if g is not None]):
+            self._poison()
+            self._finish(index, params)
+            return
+        if any(g is not None for g in fresh):
+            unscale = getattr(inner, "unscale_", None)
+            if unscale is not None:
+                unscale()  # the true gradient is clipped and measured, not the loss-scaled one
+            max_norm = self.param_groups[index]["max_grad_norm"]
+            present = [p for p in params if p.grad is not None]
+            if max_norm is not None:
+                self._norm_sq += float(torch.nn.utils.clip_grad_norm_(present, max_norm)) ** 2
+            elif self.track_grad_norm:
+                self._norm_sq += float(torch.nn.utils.get_total_norm([p.grad for p in present])) ** 2
+            fresh = [p.grad for p in params]
+        # The weights this gradient was computed at: the group has not moved since this step's forward.
+        entry = (fresh, [p.detach().clone() for p in params]) if delay and any(g is not None for g in fresh) else None
         saved = self._snapshot(index) if self.config.atomic_steps else None
-        try:
-            if delay:
-                stale, w_then = queue[0]
-                due = stale if self.compensator is None else self.compensator(group.names, stale, params, w_then)
-                for p, g in zip(params, due):
-                    p.grad = g
-            inner.step()
-        except Exception as exc:
-            if saved is not None:
-                self._restore(index, saved)
-            for p, g in zip(params, fresh):
-                p.grad = g
-            outcome = ("its parameters and optimizer state were restored" if saved is not None else
-                       "atomic_steps=False, so its parameters may be partly updated")
-            raise RuntimeError(f"DGR group {index} ({group.label}): {type(inner).__name__}.step() raised "
-                               f"{type(exc).__name__}: {exc}; {outcome}") from exc
-        if delay:
-            queue.popleft()
+        if delay and len(queue) < delay:  # pipeline fill: nothing is due yet
             queue.append(entry)
+        else:
+            due = queue.popleft() if delay else None
+            if delay:
+                queue.append(entry)
+            try:
+                if not delay or due is not None:
+                    if delay:
+                        stale, w_then = due
+                        grads = stale if self.compensator is None else self.compensator(group.names, stale, params,
+                                                                                        w_then)
+                        for p, g in zip(params, grads):
+                            p.grad = g
+                    inner.step()
+            except Exception as exc:
+                if saved is not None:
+                    self._rollback.append((index, saved))
+                    self._roll_back()
+                for p, g in zip(params, fresh):
+                    p.grad = g
+                outcome = ("the whole step was rolled back (parameters, optimizer state, queues)" if saved is not None
+                           else "atomic_steps=False, so its parameters may be partly updated")
+                raise RuntimeError(f"DGR group {index} ({group.label}): {type(inner).__name__}.step() raised "
+                                   f"{type(exc).__name__}: {exc}; {outcome}") from exc
+        if saved is not None:
+            self._rollback.append((index, saved))
         self._finish(index, params)
+
+    def _poison(self) -> None:
+        """A non-finite gradient or loss in this step: undo what it updated, skip what is left."""
+        if not self._poisoned:
+            self.skipped_nonfinite += 1
+        self._poisoned = True
+        self._roll_back()
+
+    def _roll_back(self) -> None:
+        for index, saved in reversed(self._rollback):
+            self._restore(index, saved)
+        self._rollback.clear()
+        self._norm_sq = 0.0
 
     def _finish(self, index: int, params: Sequence[torch.Tensor]) -> None:
         self._done.add(index)
@@ -379,10 +481,12 @@ class DGROptimizer(torch.optim.Optimizer):
                      for k, v in self.state[p].items()} for p in group.params if p in self.state}
         options = {k: v for k, v in self.param_groups[index].items() if k != "params"}
         meansquare = None if self.compensator is None else {n: self.compensator.meansquare.get(n) for n in group.names}
-        return [p.detach().clone() for p in group.params], state, options, meansquare
+        return [p.detach().clone() for p in group.params], state, options, meansquare, list(self._pending[index])
 
     def _restore(self, index: int, saved: tuple[Any, ...]) -> None:
-        values, state, options, meansquare = saved
+        values, state, options, meansquare, queue = saved
+        self._pending[index].clear()
+        self._pending[index].extend(queue)
         params = self.grouping.groups[index].params
         with torch.no_grad():
             for p, value in zip(params, values):
@@ -398,3 +502,16 @@ class DGROptimizer(torch.optim.Optimizer):
                 self.compensator.meansquare.pop(name, None)
             else:
                 self.compensator.meansquare[name] = value
+
+
+def _check_packed_weights(inner: torch.optim.Optimizer, group: Any) -> None:
+    """A per-group optimizer that cannot write packed (MVAS) weights is refused when it is built, before any
+    backward could step it."""
+    from macroarch.mvas.tensor import MVASWeight
+
+    if getattr(inner, "supports_mvas_weights", False):
+        return
+    for p in group.params:
+        if isinstance(p, MVASWeight):
+            raise TypeError(f"DGR group {group.index} ({group.label}): {type(inner).__name__} cannot update "
+                            "MVAS-managed (packed) weights; use wrapper.optimizer(macroarch.mvas.MVASAdamW, ...)")

@@ -30,12 +30,19 @@ removed and added back by state-dict hooks; missing/unexpected keys are reported
 
 One optimizer per wrapper: ``optimizer()`` called again closes the previous one (removes its hooks).
 
+The schedule is ``wrapper.pipeline_config`` (a ``PipelineConfig``). ``wrapper.config`` is the wrapped model's
+own ``config`` (HF models), so code that reads or sets ``model.config`` (``transformers.Trainer``) works
+on the wrapper as on the model; likewise ``accepts_loss_kwargs``. With HF Trainer use
+``macroarch.integrations.MacroTrainer``, which keeps ``max_grad_norm``, gradient accumulation and the LR
+schedule right, logs the real gradient norm, and saves the wrapped model.
+
 Deviation from the post: its snippet builds the optimizer inside the wrapper implicitly; here the
 optimizer class is the caller's choice, and everything DGR adds lives in the returned optimizer.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,9 +128,9 @@ class DGRWrapper(nn.Module):
         self.module = module
         self.group_size = _check_group_size(group_size)
         self.strict = strict
-        self.config = PipelineConfig(mode=mode, delays=_listed(delays), accumulation_steps=accumulation_steps,
-                                     max_grad_norm=_listed(max_grad_norm), clip_mode=clip_mode,
-                                     atomic_steps=atomic_steps)
+        self.pipeline_config = PipelineConfig(
+            mode=mode, delays=_listed(delays), accumulation_steps=accumulation_steps,
+            max_grad_norm=_listed(max_grad_norm), clip_mode=clip_mode, atomic_steps=atomic_steps)
         if compensator is not None and mode != "interleaved":
             raise ValueError(f"compensator={compensator!r} only applies to mode='interleaved' (mode={mode!r})")
         self.compensator = compensator
@@ -157,9 +164,28 @@ class DGRWrapper(nn.Module):
             )
         if self._optimizer is not None:
             self._optimizer.close()
-        self._optimizer = DGROptimizer(self.grouping, optimizer_cls, self.config, self.compensator,
+        self._optimizer = DGROptimizer(self.grouping, optimizer_cls, self.pipeline_config, self.compensator,
                                        **optimizer_kwargs)
         return self._optimizer
+
+    @property
+    def config(self) -> Any:
+        """The wrapped model's ``config`` (HF models); AttributeError if it has none. The DGR schedule is
+        ``pipeline_config``."""
+        try:
+            return self.module.config
+        except AttributeError:
+            raise AttributeError(f"the wrapped {type(self.module).__name__} has no config; DGR's own settings are "
+                                 "wrapper.pipeline_config") from None
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether the wrapped model's forward takes loss keyword arguments (``transformers.Trainer`` asks)."""
+        accepts = getattr(self.module, "accepts_loss_kwargs", None)
+        if accepts is not None:
+            return bool(accepts)
+        signature = inspect.signature(self.module.forward)
+        return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
 
     @property
     def has_optimizer(self) -> bool:

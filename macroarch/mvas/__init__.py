@@ -6,8 +6,10 @@ fp8 or fp4 by importance.
 - ``policy``: ``PrecisionPlan`` from explicit rules (the post's CLIP ``precision_policy``) or a memory budget
   (a knapsack over tensors by sensitivity per byte saved);
 - ``importance``: Hutchinson's Hessian diagonal, the Fisher diagonal, HAWQ sensitivity per tensor and format;
-- ``store``: ``apply(model, plan)`` keeps parameters packed and serves them dense just in time, forward and
-  backward;
+- ``tensor``: ``MVASWeight``, the managed parameter: a tensor subclass holding the packed payload and block
+  scales, dequantised on every read (any op, autocast, checkpointing, ``torch.compile``);
+- ``store``: ``apply(model, plan)`` puts an ``MVASWeight`` in place of every parameter the plan packs;
+- ``checkpoint``: dense state dicts (what ``save_pretrained`` writes) and the packed form for safetensors;
 - ``optim``: ``MVASAdamW``, AdamW writing packed weights (stochastic rounding or a master copy) with block-
   quantised moments;
 - ``schedule``: ``MVASSchedule`` re-plans the formats every K steps from the running importance.
@@ -19,6 +21,14 @@ Usage::
     opt = mvas.MVASAdamW(model.parameters(), lr=3e-4)
 """
 
+from macroarch.mvas.checkpoint import (
+    PACKED_WEIGHTS_NAME,
+    dense_state_dict,
+    load_packed,
+    packed_state_dict,
+    plan_of_packed,
+    save_packed,
+)
 from macroarch.mvas.formats import (
     ALIASES,
     FORMATS,
@@ -65,6 +75,7 @@ from macroarch.mvas.policy import (
 )
 from macroarch.mvas.schedule import MVASSchedule, PlanChange, expected_rounding_error, importance_plan
 from macroarch.mvas.store import MVASStore, apply, is_packed_buffer
+from macroarch.mvas.tensor import MVASWeight
 
 __all__ = [
     "ALIASES",
@@ -73,8 +84,15 @@ __all__ = [
     "MVASAdamW",
     "MVASSchedule",
     "MVASStore",
+    "MVASWeight",
+    "PACKED_WEIGHTS_NAME",
     "PlanChange",
     "apply",
+    "dense_state_dict",
+    "load_packed",
+    "packed_state_dict",
+    "plan_of_packed",
+    "save_packed",
     "block_importance",
     "expected_rounding_error",
     "fisher_diagonal",

@@ -2,8 +2,9 @@
 
 The Adam math is torch.optim.AdamW's, computed in fp32 one tensor at a time; what differs is storage:
 
-- **Weights.** A parameter managed by an MVAS store (``macroarch.mvas.store``) is read dequantised from its
-  packed storage and written back in its planned format: with **stochastic rounding** (the default), so an
+- **Weights.** A parameter managed by an MVAS store (an ``MVASWeight``, ``macroarch.mvas.tensor``) is read
+  dequantised from its packed storage and written back in its format with the weight's own ``write_range``
+  (its public storage API): with **stochastic rounding** (the default), so an
   update smaller than the format's spacing still moves the weight in expectation (round-to-nearest would
   drop it: the "lost update" of low-precision training), or, with ``master_weights=True``, from an fp32
   master copy kept in the optimizer state and rounded to nearest. Other parameters are updated in place as
@@ -16,6 +17,11 @@ The Adam math is torch.optim.AdamW's, computed in fp32 one tensor at a time; wha
   to zero would turn ``m / sqrt(v)`` into ``m / eps``; it reads back as the smallest value its block can
   represent instead (the zero-point problem of Li et al. 2023). Both are rounded to nearest. Smaller tensors
   keep fp32 moments. ``state_format="fp32"`` keeps every moment dense.
+
+**Atomic steps.** Before anything is written, every gradient (and the closure's loss, if given) is checked: one
+inf or NaN anywhere skips the whole step (weights, packed or not, moments and step counters untouched) and
+counts it in ``skipped_nonfinite`` (saved in ``state_dict``). The check is one float32 sum per gradient; a
+gradient whose sum overflows float32 (elements near 1e30 and beyond) counts as non-finite.
 
 ``state_dict()`` / ``load_state_dict()`` round-trip exactly: torch casts floating state to the parameter's
 dtype on load, so the packed moments and the master copies are put back as they were saved, and the state
@@ -30,8 +36,10 @@ from typing import Any
 
 import torch
 
+from macroarch.dgr.pipeline import all_finite
 from macroarch.mvas import formats
 from macroarch.mvas.formats import PackedTensor, get_format, pack, write_range
+from macroarch.mvas.tensor import MVASWeight
 from macroarch.optim._state import restore_saved_state
 
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
@@ -41,12 +49,6 @@ def _min_subnormal(fmt_name: str) -> float:
     fmt = get_format(fmt_name)
     bias = 2 ** (fmt.exponent_bits - 1) - 1
     return 2.0 ** (1 - bias - fmt.mantissa_bits)
-
-
-def _unit(entry: Any) -> int:
-    """Smallest piece of a packed weight that can be re-packed alone: a whole block, and whole fp4 bytes."""
-    block = entry.plan.block_size if get_format(entry.plan.format).block_scaled else 1
-    return math.lcm(block or 1, 2 if entry.plan.format == "fp4_e2m1" else 1)
 
 
 class MVASAdamW(torch.optim.Optimizer):
@@ -62,6 +64,8 @@ class MVASAdamW(torch.optim.Optimizer):
         min_state_numel: tensors smaller than this keep fp32 moments.
         seed: seed of the stochastic-rounding generator (default: drawn from torch's global generator).
     """
+
+    supports_mvas_weights = True  # it writes managed weights through their storage API (macroarch.mvas.tensor)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_format: str = "fp8_e4m3",
@@ -89,6 +93,7 @@ class MVASAdamW(torch.optim.Optimizer):
         self.min_state_numel = min_state_numel
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.skipped_nonfinite = 0  # steps skipped for an inf/NaN gradient or loss
 
     # ------------------------------------------------------------------------------------------- storage
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -140,19 +145,17 @@ class MVASAdamW(torch.optim.Optimizer):
         else:
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        entry = getattr(p, "_mvas_entry", None)
-        if entry is not None and self.master_weights:
-            state["master"] = entry.dense(torch.float32)
+        if isinstance(p, MVASWeight) and self.master_weights:
+            state["master"] = p.dequantize(torch.float32)
         return state
 
     def _chunk(self, p: torch.Tensor, state: dict) -> int:
         """Elements updated at a time: whole blocks of the moments and of the packed weight, about CHUNK_NUMEL."""
         unit = self.state_block_size if self._packed_state(state) else 1
-        entry = getattr(p, "_mvas_entry", None)
-        if entry is not None:
-            if entry.plan.block_size is None and get_format(entry.plan.format).block_scaled:
+        if isinstance(p, MVASWeight):
+            if p.write_unit == p.numel():
                 return p.numel()  # one scale for the whole tensor: it cannot be re-packed in pieces
-            unit = math.lcm(unit, _unit(entry))
+            unit = math.lcm(unit, p.write_unit)
         return max(unit, formats.CHUNK_NUMEL // unit * unit)
 
     # ------------------------------------------------------------------------------------------- step
@@ -162,6 +165,10 @@ class MVASAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or not all_finite(grads):
+            self.skipped_nonfinite += 1
+            return loss
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
@@ -173,11 +180,11 @@ class MVASAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 t = float(state["step"])
                 bias1, bias2 = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
-                entry = getattr(p, "_mvas_entry", None)
+                managed = isinstance(p, MVASWeight)
                 rounding = "nearest" if "master" in state else self.rounding
-                generator = self._generator(p.device) if entry is not None and rounding == "stochastic" else None
+                generator = self._generator(p.device) if managed and rounding == "stochastic" else None
                 packed_state = self._packed_state(state)
-                grad, flat_p = p.grad.reshape(-1), p.view(-1) if entry is None else None
+                grad, flat_p = p.grad.reshape(-1), p.view(-1) if not managed else None
                 chunk, n = self._chunk(p, state), p.numel()
                 # large tensors are updated a chunk at a time: the float32 temporaries of the update (about ten
                 # of them) stay bounded instead of growing with the tensor
@@ -191,14 +198,14 @@ class MVASAdamW(torch.optim.Optimizer):
                     m.lerp_(g, 1.0 - beta1)
                     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
                     denom = (v.sqrt() / bias2).add_(eps)
-                    if entry is not None:
+                    if managed:
                         w = (state["master"].view(-1)[start:stop] if "master" in state
-                             else entry.packed().dequantize_range(start, stop))
+                             else p.dequantize_range(start, stop))
                     else:
                         w = flat_p[start:stop] if p.dtype == torch.float32 else flat_p[start:stop].float()
                     w.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / bias1)
-                    if entry is not None:
-                        entry.write_range(start, stop, w, rounding, generator)
+                    if managed:
+                        p.write_range(start, stop, w, rounding, generator)
                     elif p.dtype != torch.float32:
                         flat_p[start:stop] = w
                     if packed_state:
@@ -211,12 +218,14 @@ class MVASAdamW(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["mvas_generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
         sd["mvas_seed"] = self.seed
+        sd["mvas_skipped_nonfinite"] = self.skipped_nonfinite
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         generators = state_dict.pop("mvas_generators", {})
         seed = state_dict.pop("mvas_seed", self.seed)
+        self.skipped_nonfinite = int(state_dict.pop("mvas_skipped_nonfinite", 0))
         super().load_state_dict(state_dict)
         restore_saved_state(self, state_dict, _EXACT_KEYS)  # torch cast them to each parameter's dtype
         self.seed = seed

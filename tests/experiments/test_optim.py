@@ -100,7 +100,7 @@ def test_optimum_ratio_interval_is_paired_and_brackets_a_known_shift():
 
 
 def test_recipe_mvas_stack_packs_the_weights_and_learns():
-    from macroarch.mvas import is_packed_buffer
+    from macroarch.mvas import MVASWeight
 
     spec = get_model_spec("gpt3_tiny").scaled(n_layers=2, d_model=64, n_heads=2, n_kv_heads=2, d_ff=128,
                                               dropout=0.0, max_seq_len=16)  # 64 x 64 and larger: MVAS manages them
@@ -110,6 +110,6 @@ def test_recipe_mvas_stack_packs_the_weights_and_learns():
     before = experiments.evaluate(model, held_out)
     result = experiments.recipe_run(model, train, held_out, stack="mvas", base_lr=1e-2, lr_multiplier=1.0,
                                     warmup_steps=2, warmup_extension=0.0)
-    packed = [n for n, _ in model.named_buffers() if is_packed_buffer(n)]
+    packed = [n for n, p in model.named_parameters() if isinstance(p, MVASWeight)]
     assert packed, "the mvas stack should pack the larger weights"
     assert result.eval_loss < before

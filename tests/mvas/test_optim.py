@@ -11,6 +11,7 @@ from macroarch.dgr import DGRWrapper
 from macroarch.mvas import plan_from_rules, quantize_dequantize
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.mvas.store import apply
+from macroarch.mvas.tensor import MVASWeight
 
 KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
@@ -130,7 +131,7 @@ def test_resuming_from_state_dicts_continues_bit_for_bit():
     net2, loss_fn2, store2, opt2 = build()
     net2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
-    assert opt2.state[next(p for p in net2.parameters() if hasattr(p, "_mvas_entry"))]["exp_avg"].dtype \
+    assert opt2.state[next(p for p in net2.parameters() if isinstance(p, MVASWeight))]["exp_avg"].dtype \
         == torch.float8_e4m3fn
     for _ in range(3):
         loss_fn2(net2).backward()
@@ -159,9 +160,15 @@ def test_dgr_sync_with_mvas_is_the_same_training():
         dgr_loss(dgr_net).backward()  # groups step during backward
         dgr_opt.step()
         dgr_opt.zero_grad()
-    for (n, a), b in zip(net.named_buffers(), dgr_net.buffers()):
-        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
-                           b.view(torch.uint8) if b.dtype != torch.float32 else b), n
+    managed = 0
+    for (n, a), b in zip(net.named_parameters(), dgr_net.parameters()):
+        if isinstance(a, MVASWeight):
+            managed += 1
+            assert torch.equal(a.payload.view(torch.uint8), b.payload.view(torch.uint8)), n
+            assert torch.equal(a.scales, b.scales), n
+        else:
+            assert torch.equal(a, b), n
+    assert managed > 2
 
 
 def test_lr_schedulers_drive_it():

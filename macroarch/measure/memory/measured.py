@@ -24,7 +24,7 @@ step starts, as in every step after the first. Precisions (``macroarch.measure.m
 MemTracker's categories are refined so they line up with the analytic ones:
 
 ==================  ===============================================================================
-parameters          MemTracker PARAM, and the packed weights of an MVAS store (buffers named ``*__mvas_*``)
+parameters          MemTracker PARAM (an MVAS weight counts its packed payload and scales)
 gradients           GRAD
 optimizer_state     Adam's m and v (OPT tensors that exist before the step)
 master_weights      the fp32 master copies (MemTracker files them under OPT)
@@ -209,11 +209,6 @@ def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inpu
                 tracker.label(value, "other")
             else:  # Adam's m and v, and what quantised optimizers keep with them (block scales, quantisation maps)
                 tracker.label(value, "optimizer_state")
-    from macroarch.mvas.store import is_packed_buffer
-
-    for name, buffer in model.named_buffers():
-        if is_packed_buffer(name):  # MVAS stores packed weights as buffers: they are the parameters
-            tracker.label(buffer, "parameters")
     tracker.start_phase("setup")
     return tracker
 

@@ -1,0 +1,401 @@
+"""``MVASWeight``: a managed weight that *is* a tensor (post section 3.2): packed storage, dense on every read.
+
+``mvas.apply`` puts an ``MVASWeight`` in place of each parameter its plan packs. It is a ``torch.Tensor``
+wrapper subclass (``_make_wrapper_subclass``, the design of torchao's float8 and quantised weights): the outer
+tensor has the weight's shape and its *compute* dtype and no storage of its own; it holds
+
+- ``payload``: the packed codes, flat (fp8 one byte per element, fp4 two per byte, bf16/fp16 casts), and
+- ``scales``: fp32 block scales (``None`` for unscaled formats), with ``format`` and ``block_size``
+  (``macroarch.mvas.formats``).
+
+**Dispatch** (``__torch_dispatch__``, below autograd). Every op that reads the weight gets the dense weight,
+dequantised for that op alone and dropped with its result, so any read is right: inside or outside the owning
+module (a tied head written as ``F.linear(h, emb.weight)``), under ``torch.autocast``, activation checkpointing
+and ``torch.compile`` (``__tensor_flatten__`` / ``__tensor_unflatten__`` let AOTAutograd trace through it).
+Exceptions, all cheap:
+
+- *views* (``t``, ``transpose``, ``view``, ``slice``, ``split`` ...) and ``detach`` return another
+  ``MVASWeight`` on the same storage that remembers the view ops and replays them after dequantising. So the
+  tensor autograd saves for backward (``F.linear`` saves ``weight.t()``) is a packed view, and backward
+  dequantises again: the dense weight lives for one op, never across the step;
+- a dtype cast (``.to(bf16)``, which autocast makes) is such a view too; a device move moves the storage;
+  ``clone`` (``copy.deepcopy``) copies the packed storage;
+- ``copy_`` into a weight packs the source (round to nearest; a weight of the same format is copied bit for
+  bit): ``load_state_dict`` and checkpoint restores use it;
+- ``*_like`` / ``new_*`` factories read only the shape;
+- any other write (``mul_``, ``_foreach_add_``, ``_fused_adamw_``, ``out=``) raises a ``TypeError`` naming
+  ``MVASAdamW``: packed weights are updated by the optimizer that knows their storage. A global optimizer-step
+  pre-hook raises the same error before a ``torch.optim.Optimizer`` that does not declare
+  ``supports_mvas_weights = True`` touches anything (torch's AdamW for-loop/foreach/fused, timm's
+  ``create_optimizer_v2``, HF Trainer's default).
+
+Gradients are ordinary dense tensors in the compute dtype (``param.grad``), accumulated by autograd as usual.
+
+**Torch-function level**: ``contiguous()`` (what ``save_pretrained`` and ``safetensors.torch.save_model`` call
+before writing) returns the dense weight, so those write dense weights in the training dtype;
+``untyped_storage()`` is the payload's (storage identity for tied-weight detection); ``data_ptr()`` raises a
+``TypeError`` (raw bytes of a dense tensor do not exist; ``safetensors.torch.save_file`` on a raw state dict
+would otherwise write nothing).
+
+**Serialisation**: ``torch.save`` pickles the packed form (payload, scales, format) exactly; the class is
+registered with ``torch.serialization.add_safe_globals``, so ``torch.load(weights_only=True)`` reads it back in a
+process that imported ``macroarch.mvas``. Loading validates the scales (finite, >= 0) and the sizes.
+
+**Public storage API** (``MVASAdamW``, the store, and later a fused optimizer step): ``packed()``,
+``dequantize()``, ``dequantize_range()``, ``write()``, ``write_range()``, ``write_unit``, ``repack()``.
+FSDP2 (issue 18) extends this type: ``fsdp_pre_all_gather`` returns ``(payload, scales)`` of the local shard and
+``(format, block_size)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and scales in an
+``MVASWeight`` (dequantised on use as here); dim-0 shards must then be whole blocks of the flat payload.
+
+Limitations: a weight must be the first argument of a view op to stay packed (other reads are dense); writes
+through a view raise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from macroarch.mvas.formats import FORMATS, PackedTensor, get_format, pack, write_range
+
+aten = torch.ops.aten
+
+_SHARE = {aten.detach.default, aten.alias.default, aten.lift_fresh.default}
+_LIKE = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
+         "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"}
+_VIEW_LIKE = {aten._unsafe_view.default}  # not flagged as a view, but what reshape of a contiguous tensor is
+
+
+def _unaware_message(what: str, weight: MVASWeight) -> str:
+    return (f"{what} cannot update an MVAS-managed weight: it is stored packed ({weight.format}, "
+            f"{tuple(weight.shape)}) and read dense on use. Train it with macroarch.mvas.MVASAdamW (under DGR: "
+            "DGRWrapper.optimizer(MVASAdamW, ...); with HF Trainer: optimizers=(MVASAdamW(model.parameters()), "
+            "None)); write a new value with weight.copy_(value) or store.write(name, value)")
+
+
+class MVASWeight(torch.Tensor):
+    """A weight stored packed and dequantised on use (module docstring). Build with ``from_dense`` /
+    ``from_packed``; ``mvas.apply`` does it for a whole model."""
+
+    payload: torch.Tensor
+    scales: torch.Tensor | None
+    format: str
+    block_size: int | None
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor, scales: torch.Tensor | None, format: str, block_size: int | None,
+                shape: tuple[int, ...], dtype: torch.dtype, views: tuple = (), requires_grad: bool = False):
+        meta = _view_meta(shape, dtype, views)
+        return torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(), dtype=dtype,
+                                                   device=payload.device, requires_grad=requires_grad)
+
+    def __init__(self, payload: torch.Tensor, scales: torch.Tensor | None, format: str, block_size: int | None,
+                 shape: tuple[int, ...], dtype: torch.dtype, views: tuple = (), requires_grad: bool = False) -> None:
+        self.payload, self.scales, self.format, self.block_size = payload, scales, format, block_size
+        self._packed_shape = tuple(int(s) for s in shape)
+        self._views = tuple(views)
+
+    # ------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_packed(cls, packed: PackedTensor, dtype: torch.dtype | None = None,
+                    requires_grad: bool = False) -> MVASWeight:
+        """Wrap ``packed`` (its tensors are used, not copied) as a weight computing in ``dtype`` (default: the
+        dtype it was packed from). Raises ValueError if its payload, scales or sizes are inconsistent."""
+        _check_packed(packed.format, packed.block_size, packed.shape, packed.payload, packed.scales)
+        return cls(packed.payload, packed.scales, packed.format, packed.block_size, tuple(packed.shape),
+                   packed.dtype if dtype is None else dtype, requires_grad=requires_grad)
+
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor, format: str, block_size: int | None = 32, *,
+                   dtype: torch.dtype | None = None, rounding: str = "nearest",
+                   generator: torch.Generator | None = None) -> MVASWeight:
+        """``tensor`` packed in ``format`` (``formats.pack``), computing in ``dtype`` (default its own)."""
+        return cls.from_packed(pack(tensor, format, block_size, rounding, generator),
+                               tensor.dtype if dtype is None else dtype)
+
+    # ------------------------------------------------------------------------------------- storage API
+    @property
+    def is_view(self) -> bool:
+        """Whether this is a view of a weight (view ops replayed after dequantising): read-only."""
+        return bool(self._views)
+
+    def packed(self) -> PackedTensor:
+        """The packed storage as a ``PackedTensor`` (its payload and scales are this weight's, not copies)."""
+        return PackedTensor(self.format, self._packed_shape, self.dtype, self.block_size, self.payload, self.scales)
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the storage: payload plus scales."""
+        return self.packed().nbytes
+
+    @property
+    def write_unit(self) -> int:
+        """The smallest piece ``write_range`` can re-pack alone: a whole block and whole fp4 bytes; the whole
+        tensor when one scale covers it."""
+        numel = math.prod(self._packed_shape)
+        if get_format(self.format).block_scaled and self.block_size is None:
+            return numel
+        block = self.block_size if get_format(self.format).block_scaled else 1
+        return math.lcm(block, 2 if self.format == "fp4_e2m1" else 1)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense value (a plain tensor, no autograd history) in ``dtype`` (default: the compute dtype)."""
+        dense = self.packed().dequantize(self.dtype if dtype is None else dtype)
+        for func, args, kwargs, index in self._views:
+            dense = func(dense, *args, **kwargs)
+            if index is not None:
+                dense = dense[index]
+        return dense
+
+    def dequantize_range(self, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of the flattened (unviewed) weight as float32; ``start`` a multiple of
+        ``write_unit``."""
+        return self.packed().dequantize_range(start, stop)
+
+    @torch.no_grad()
+    def write(self, value: torch.Tensor, rounding: str = "nearest", generator: torch.Generator | None = None) -> None:
+        """Store ``value`` (this shape) in place, in this weight's format."""
+        self._writable()
+        if tuple(value.shape) != self._packed_shape:
+            raise ValueError(f"write: shape {tuple(value.shape)} != the weight's {self._packed_shape}")
+        packed = pack(value, self.format, self.block_size, rounding, generator)
+        self.payload.copy_(packed.payload)
+        if self.scales is not None:
+            self.scales.copy_(packed.scales)
+        _bump(self)
+
+    @torch.no_grad()
+    def write_range(self, start: int, stop: int, values: torch.Tensor, rounding: str = "nearest",
+                    generator: torch.Generator | None = None) -> None:
+        """Re-pack elements ``start:stop`` of the flattened weight in place from ``values`` (``stop - start``
+        elements); the range must be whole ``write_unit``s (or end at the last element)."""
+        self._writable()
+        numel = math.prod(self._packed_shape)
+        unit = self.write_unit
+        if not (0 <= start < stop <= numel) or start % unit or (stop % unit and stop != numel):
+            raise ValueError(f"write_range({start}, {stop}): the range must lie in [0, {numel}] and cut the "
+                             f"storage at multiples of {unit} elements (whole blocks and bytes)")
+        packed = pack(values.reshape(-1), self.format, self.block_size, rounding, generator)
+        write_range(self.payload, self.scales, packed, start, stop)
+        _bump(self)
+
+    @torch.no_grad()
+    def repack(self, format: str, block_size: int | None) -> None:
+        """Re-pack in place into another format (round to nearest from the current values): the weight stays the
+        same Python object (optimizer state, hooks and tied modules keep it)."""
+        self._writable()
+        packed = pack(self.dequantize(torch.float32), format, block_size)
+        self.payload, self.scales = packed.payload, packed.scales
+        self.format, self.block_size = packed.format, packed.block_size
+        _bump(self)
+
+    def _writable(self) -> None:
+        if self._views:
+            raise TypeError("a view of an MVAS weight is read-only; write to the weight itself")
+
+    # ----------------------------------------------------------------------------- tensor subclass protocol
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        inner = ["payload"] if self.scales is None else ["payload", "scales"]
+        return inner, (self.format, self.block_size, self._packed_shape, self.dtype, self._views)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: tuple, outer_size: Any, outer_stride: Any):
+        fmt, block, shape, dtype, views = ctx
+        return MVASWeight(inner["payload"], inner.get("scales"), fmt, block, shape, dtype, views)
+
+    def _stable_hash_for_caching(self) -> str:
+        return repr(self.__tensor_flatten__()[1])
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        block = "" if not get_format(self.format).block_scaled else f", block {self.block_size or 'tensor'}"
+        view = ", view" if self._views else ""
+        return (f"MVASWeight({self.format}{block}, shape {tuple(self.shape)}, dtype {self.dtype}, "
+                f"device {self.device}{view}{', requires_grad' if self.requires_grad else ''})")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling (``torch.load``): the state is checked before the weight can be used."""
+        self.__dict__.update(state)
+        _check_packed(self.format, self.block_size, self._packed_shape, self.payload, self.scales)
+
+    def __reduce_ex__(self, proto: int):
+        if self._views:
+            raise TypeError("a view of an MVAS weight cannot be saved; save the weight (or .contiguous())")
+        return super().__reduce_ex__(proto)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.contiguous and isinstance(args[0], MVASWeight):
+            return _Dense.apply(args[0])
+        if func is torch.Tensor.untyped_storage and isinstance(args[0], MVASWeight):
+            return args[0].payload.untyped_storage()
+        if func is torch.Tensor.data_ptr and isinstance(args[0], MVASWeight):
+            raise TypeError(f"{args[0]!r} holds packed storage, no dense data to point at: take .contiguous() (a "
+                            "dense copy) first; save with save_pretrained, safetensors.torch.save_model or "
+                            "macroarch.mvas.dense_state_dict(model)")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, MVASWeight):
+            if func in _SHARE:
+                return first._derived(first.payload, first.scales, first.dtype, first._views)
+            if func.is_view or func in _VIEW_LIKE:
+                return first._view(func, args[1:], kwargs)
+            if func is aten.clone.default and not first._views:
+                scales = None if first.scales is None else first.scales.clone()
+                return first._derived(first.payload.clone(), scales, first.dtype, ())
+            if func is aten._to_copy.default:
+                moved = first._to_copy(kwargs)
+                if moved is not None:
+                    return moved
+            if func is aten.copy_.default:
+                return first._copy_from(args[1])
+        if func.overloadpacket.__name__ in _LIKE:
+            return func(*tree_map_only(MVASWeight, _shape_only, args), **tree_map_only(MVASWeight, _shape_only, kwargs))
+        for value in _written(func, args, kwargs):
+            if isinstance(value, MVASWeight):
+                raise TypeError(_unaware_message(f"{func} (an in-place write)", value))
+        return func(*tree_map_only(MVASWeight, MVASWeight.dequantize, args),
+                    **tree_map_only(MVASWeight, MVASWeight.dequantize, kwargs))
+
+    # ------------------------------------------------------------------------------------ dispatch helpers
+    def _derived(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
+                 views: tuple) -> MVASWeight:
+        return MVASWeight(payload, scales, self.format, self.block_size, self._packed_shape, dtype, views)
+
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> MVASWeight | list[MVASWeight]:
+        meta = func(torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta"), *args, **kwargs)
+        if isinstance(meta, torch.Tensor):
+            return self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, None)))
+        return [self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, i)))
+                for i in range(len(meta))]
+
+    def _to_copy(self, kwargs: dict) -> MVASWeight | None:
+        """A cast is a view (same storage, another compute dtype); a device move moves the storage; a copy to
+        the same dtype and device copies it. None: not expressible as a weight (a non-float dtype, a layout)."""
+        dtype = kwargs.get("dtype") or self.dtype
+        device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else self.device
+        if not dtype.is_floating_point or kwargs.get("layout") not in (None, torch.strided):
+            return None
+        if device != self.device:
+            scales = None if self.scales is None else self.scales.to(device)
+            return self._derived(self.payload.to(device), scales, dtype, self._views)
+        if dtype != self.dtype:
+            return self._derived(self.payload, self.scales, dtype, self._views)
+        if self._views:
+            return None
+        scales = None if self.scales is None else self.scales.clone()
+        return self._derived(self.payload.clone(), scales, dtype, ())
+
+    def _copy_from(self, src: Any) -> MVASWeight:
+        self._writable()
+        if (isinstance(src, MVASWeight) and not src._views and src.format == self.format
+                and _same_blocks(src.block_size, self.block_size, src.numel())
+                and src.payload.shape == self.payload.shape):
+            self.payload.copy_(src.payload)
+            if self.scales is not None:
+                self.scales.copy_(src.scales.reshape(self.scales.shape))
+            _bump(self)
+            return self
+        value = src.dequantize(torch.float32) if isinstance(src, MVASWeight) else src
+        if not torch.is_tensor(value):
+            value = torch.full(self._packed_shape, float(value))
+        self.write(value.expand(self.shape).to(self.device), rounding="nearest")
+        return self
+
+
+class _Dense(torch.autograd.Function):
+    """``weight -> dense weight``, the gradient passed through (``contiguous()`` of a weight)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: MVASWeight) -> torch.Tensor:  # type: ignore[override]
+        return weight.dequantize()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def _view_meta(shape: tuple[int, ...], dtype: torch.dtype, views: tuple) -> torch.Tensor:
+    meta = torch.empty(shape, dtype=dtype, device="meta")
+    for func, args, kwargs, index in views:
+        meta = func(meta, *args, **kwargs)
+        if index is not None:
+            meta = meta[index]
+    return meta
+
+
+def _shape_only(weight: MVASWeight) -> torch.Tensor:
+    return torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=weight.device)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
+    """The arguments an op writes to (its schema's ``a!`` arguments), lists flattened."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        yield from tree_flatten(value)[0]
+
+
+def _same_blocks(a: int | None, b: int | None, numel: int) -> bool:
+    """Whether two block sizes cut ``numel`` elements the same way (one block of ``numel`` is one per tensor)."""
+    return (None if a is None or a >= numel else a) == (None if b is None or b >= numel else b)
+
+
+def _bump(weight: MVASWeight) -> None:
+    """Count a write in autograd's version counter: a backward that saved the old value then raises."""
+    torch.autograd.graph.increment_version(weight)
+
+
+def _check_packed(fmt_name: str, block_size: int | None, shape: tuple[int, ...], payload: torch.Tensor,
+                  scales: torch.Tensor | None) -> None:
+    """Raise ValueError unless payload and scales are what ``format`` stores for ``shape`` (dtypes, sizes, and
+    finite, non-negative scales; fake tensors are checked for sizes only)."""
+    if fmt_name not in FORMATS:
+        raise ValueError(f"unknown MVAS format {fmt_name!r}; known: {', '.join(FORMATS)}")
+    fmt = FORMATS[fmt_name]
+    numel = math.prod(shape)
+    payload_numel = (numel + 1) // 2 if fmt.name == "fp4_e2m1" else numel
+    if payload.dtype != fmt.storage_dtype or payload.numel() != payload_numel:
+        raise ValueError(f"a {fmt.name} weight of shape {tuple(shape)} needs a {fmt.storage_dtype} payload of "
+                         f"{payload_numel} elements; got {payload.dtype} with {payload.numel()}")
+    if not fmt.block_scaled:
+        if scales is not None:
+            raise ValueError(f"{fmt.name} stores no scales; got {scales.numel()}")
+        return
+    n_scales = 1 if block_size is None else numel // block_size
+    if scales is None or scales.dtype != torch.float32 or scales.numel() != n_scales or (
+            block_size is not None and numel % block_size):
+        got = "none" if scales is None else f"{scales.numel()} {scales.dtype}"
+        raise ValueError(f"a {fmt.name} weight of {numel} elements in blocks of {block_size or numel} needs "
+                         f"{n_scales} float32 scales; got {got}")
+    if scales.device.type != "meta" and type(scales).__name__ != "FakeTensor":
+        bad = int((~torch.isfinite(scales) | (scales < 0)).sum())
+        if bad:
+            raise ValueError(f"{bad} of the {n_scales} block scales of a {fmt.name} weight of shape {tuple(shape)} "
+                             "are NaN, infinite or negative: the checkpoint is corrupt (refused)")
+
+
+def _refuse_unaware_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: an optimizer that does not declare ``supports_mvas_weights`` must not touch a
+    managed weight (it would write dense values into packed storage, or crash in a fused kernel)."""
+    if getattr(optimizer, "supports_mvas_weights", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if type(p) is MVASWeight:
+                raise TypeError(_unaware_message(f"{type(optimizer).__module__}.{type(optimizer).__name__}", p))
+
+
+torch.serialization.add_safe_globals([MVASWeight])
+_STEP_HOOK = register_optimizer_step_pre_hook(_refuse_unaware_optimizers)
