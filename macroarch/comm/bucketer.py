@@ -147,7 +147,7 @@ class GradientBucketer:
             named = [(name, p) for group in wrapper.grouping for name, p in zip(group.names, group.params)]
             self._group_of = [group.index for group in wrapper.grouping for _ in group.params]
             breaks = {i for i in range(1, len(named)) if self._group_of[i] != self._group_of[i - 1]}
-            self._accumulation = wrapper.config.accumulation_steps
+            self._accumulation = wrapper.pipeline_config.accumulation_steps
         elif isinstance(module_or_params, nn.Module):
             # Reverse registration order: how gradients arrive in backward for most models (DDP's first guess).
             named = [(n, p) for n, p in reversed(list(module_or_params.named_parameters())) if p.requires_grad]
