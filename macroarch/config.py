@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from macroarch.mvas.formats import get_format
-
 T = TypeVar("T")
 
 
@@ -133,15 +131,21 @@ def _fail(where: str, message: str) -> None:
     raise ConfigError(f"{where}: {message}")
 
 
+def _check_format(name: str, where: str) -> None:
+    from macroarch.mvas.formats import get_format  # torch: imported when a config is checked, not by the CLI
+
+    try:
+        get_format(name)
+    except ValueError as e:
+        _fail(where, str(e))
+
+
 def _check_policy(policy: Mapping[str, Any] | None, where: str) -> None:
     for key, value in (policy or {}).items():
         if not isinstance(value, str) and len(value) != 2:
             _fail(f"{where}.{key}", f"{list(value)} must be one format or a [shallow, deep] pair of formats")
         for name in (value,) if isinstance(value, str) else value:
-            try:
-                get_format(name)
-            except ValueError as e:
-                _fail(f"{where}.{key}", str(e))
+            _check_format(name, f"{where}.{key}")
 
 
 @dataclass(frozen=True)
@@ -188,10 +192,7 @@ class MVASConfig:
             _fail("mvas.block_size", f"{self.block_size} must be >= 1")
         if self.min_numel < 0:
             _fail("mvas.min_numel", f"{self.min_numel} must be >= 0")
-        try:
-            get_format(self.state_format)
-        except ValueError as e:
-            _fail("mvas.state_format", str(e))
+        _check_format(self.state_format, "mvas.state_format")
         if self.replan_every is not None and self.replan_every < 1:
             _fail("mvas.replan_every", f"{self.replan_every} must be >= 1 (or null: never)")
 
