@@ -18,7 +18,9 @@ Conventions:
   in-line, in the data memory (the same whitepaper: 6.25% of the K40's GDDR5 reserved).
 
 :func:`measure_machine` adds the machine this runs on: matmul throughput in fp32 and bf16 and copy bandwidth,
-timed now (on a CUDA device too, which is how ``benchmarks/gpu_check.sh`` checks a GPU against its row).
+timed now (on a CUDA device too, which is how ``benchmarks/gpu_check.sh`` checks a GPU against its row): the fastest
+of several runs, in CPU seconds of the calling thread when a CPU runs one thread (:func:`clock`), so that other
+processes on a shared machine do not count.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ SOURCES: dict[str, str] = {
     "Hopper WP": "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022), HBM3 ECC",
     "Chaos KB": "Chaos support, 'ECC State for Nvidia GPUs' (third party: GeForce ECC off by default, driver toggle)",
     "Notebookcheck": "Notebookcheck, 'RTX 5090 drops VRAM ECC' (third party: RTX 3090 Ti and 4090 have a toggle)",
-    "assumed": "an assumption of this model, not a published figure",
+    "assumed": "an assumption of this model, not a published figure (the RTX 4090's ECC capacity cost: NVIDIA's "
+               "in-line GDDR ECC reserves 1/16, Volta WP)",
     "measured": "measured on this machine when the notebook ran",
 }
 
@@ -175,8 +178,7 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     _card("RTX 4090", key="rtx4090", memory_type="GDDR6X", memory_gb=24, bandwidth_gbs=1008,
           bf16_tflops=165.2, fp16_tflops=165.2, tf32_tflops=82.6, fp8_tflops=330.3, fp32_tflops=82.6,
           interconnect="PCIe 4.0 x16, 64 GB/s (no NVLink)", link_gbs=32, link_latency_us=10.0,
-          ecc="driver toggle, off by default; in-line (in the data memory): capacity cost taken as NVIDIA's "
-              "in-line GDDR ECC (6.25%), not published for this card",
+          ecc="driver toggle, off by default; in-line (in the data memory)",
           ecc_capacity_cost=0.0625, ecc_bandwidth_cost=None,
           sources={"*": "Ada WP", "ecc": "Chaos KB", "ecc_capacity_cost": "assumed",
                    "ecc_bandwidth_cost": "Chaos KB", "link_latency_us": "assumed"}),
@@ -219,16 +221,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock(device: torch.device):
+    """The clock timings use: on a CPU running one thread, that thread's CPU time (a process that takes the core
+    away, on a shared machine, does not inflate it); otherwise wall time."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 def best_seconds(fn, device: torch.device, repeats: int) -> float:
     """The fastest of ``repeats`` timed calls (after one warm-up): load from elsewhere only ever adds time."""
+    now = clock(device)
     fn()
     _sync(device)
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, now() - start)
     return best
 
 
