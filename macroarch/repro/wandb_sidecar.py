@@ -256,7 +256,7 @@ class _Worker:
         self._report(mode=mode, id=init.get("id"))
         settings = wandb.Settings(silent=True, console="wrap_raw", x_stats_pid=watch_pid, disable_code=True,
                                   disable_job_creation=True, init_timeout=float(os.environ.get(
-                                      "MACROARCH_WANDB_INIT_TIMEOUT", 20)))
+                                      "MACROARCH_WANDB_INIT_TIMEOUT", 15)))
         self.run = wandb.init(mode=mode, reinit="create_new", settings=settings, **init)
         self.run.define_metric(f"{self.claim}/series/*", step_metric="step")
         self._report(state=RUNNING, id=self.run.id, dir=str(Path(self.run.dir).parent))

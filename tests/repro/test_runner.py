@@ -181,7 +181,7 @@ from macroarch.repro.claims import get_claim
 from macroarch.repro.notebook import resolve_parameters
 from macroarch.repro.tracking import start_run
 params = resolve_parameters("02_memory_wall", globals())
-run = start_run("C4", profile, params)
+run = start_run("C4", profile, {**params, "machine": {"cpu_model": "test"}})
 marker = pathlib.Path(os.environ["TEST_MARKER"])
 marker.write_text("started")
 while not marker.with_suffix(".go").exists():
