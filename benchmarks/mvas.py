@@ -12,9 +12,9 @@ AdamW bf16 + fp32 master        bf16 weights and gradients, fp32 master and mome
                                 reference for eval loss and speed
 torchao AdamW8bit / AdamW4bit   torchao.optim, fp32 weights, block-quantised moments (compiled step)
 bitsandbytes AdamW8bit          bnb.optim.AdamW8bit, fp32 weights, blockwise dynamic 8-bit moments
-MVAS                            bf16 compute, ``mvas.apply`` with a budget plan (fp16/fp8/fp4 by sensitivity,
-                                ``--weight-bytes`` per managed element), ``MVASAdamW`` (fp8 moments, stochastic
-                                rounding)
+MVAS                            bf16 compute, ``compose.apply`` with a budget plan (fp16/fp8/fp4 by sensitivity,
+                                ``--weight-bytes`` per managed element): ``mvas.apply``, ``MVASAdamW`` (fp8 moments,
+                                stochastic rounding)
 MVAS + DGR                      the same inside ``DGRWrapper`` (sync): each group's gradients are freed once it steps
 ==============================  =================================================================================
 
@@ -37,12 +37,14 @@ import warnings
 
 import torch
 
+from macroarch import compose
+from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.dgr import DGRWrapper
 from macroarch.experiments.loop import evaluate_lm, train_round_robin
 from macroarch.measure.memory import STATE_CATEGORIES, measure_step
 from macroarch.models import get_model_spec
-from macroarch.mvas import MVASAdamW, apply, packable, plan_for_budget
+from macroarch.mvas import packable, plan_for_budget
 from macroarch.optim import MasterWeightAdamW
 
 REFERENCE = "AdamW bf16 + fp32 master"
@@ -101,12 +103,11 @@ def make(variant: str, initial: torch.nn.Module, args: argparse.Namespace, examp
         return model, bnb.optim.AdamW8bit(model.parameters(), lr=lr, weight_decay=wd)
     if variant.startswith("MVAS"):
         model = model.to(torch.bfloat16)  # computes in bf16, as the AdamW baseline does
-        apply(model, mvas_plan(model, args.weight_bytes))
-        kwargs = dict(lr=lr, weight_decay=wd, seed=args.seed)
-        if variant == "MVAS":
-            return model, MVASAdamW(model.parameters(), **kwargs)
-        wrapper = DGRWrapper(model, group_size=1, example_inputs=example)
-        return wrapper, wrapper.optimizer(MVASAdamW, **kwargs)
+        dgr = variant == "MVAS + DGR"  # DGR: sync, one group per layer
+        config = MacroConfig(optim=OptimConfig(lr=lr, weight_decay=wd), dgr=DGRConfig(group_size=1 if dgr else None))
+        stack = compose.apply(model, config, plan=mvas_plan(model, args.weight_bytes),
+                              example_inputs=example if dgr else None, seed=args.seed)
+        return stack.model, stack.optimizer
     raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
 
 

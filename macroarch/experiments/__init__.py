@@ -2,5 +2,6 @@
 
 - ``loop``: ``train_lm``, ``train_round_robin``, ``evaluate_lm``: the language-model training and evaluation
   loop every experiment uses;
-- ``optim``: the training runs that notebooks 06 (C8) and 08 (C10) sweep.
+- one harness per notebook, named after it (``mvas_llama``, ``mixed_precision``, ``comm_bucketing``,
+  ``convergence_recipe``, ...): the runs, the numbers the verdict reads, the figures and the verdict's texts.
 """

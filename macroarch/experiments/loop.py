@@ -1,11 +1,20 @@
-"""A plain causal-LM training loop and evaluation, shared by notebooks and benchmarks.
+"""The project's one language-model training loop and evaluation; every experiment trains through it.
 
-``train_lm`` is the loop every comparison here needs (``train_round_robin`` runs several in lock step):
-forward with labels, ``loss.backward()``,
-``optimizer.step()``, ``zero_grad``, with the wall time of each step (forward to end of step) and an optional
-callback after each step (an MVAS schedule, a scheduler). ``evaluate_lm`` gives the token-weighted mean
-cross-entropy and the next-token accuracy (the argmax of the logits at position t equals the token at t + 1)
-on held-out batches, with gradients off and the model in eval mode (restored afterwards).
+``train_lm`` runs one step per batch: by default the plain causal-LM step (:func:`lm_step`: forward with labels,
+``loss.backward()``, ``optimizer.step()``, ``zero_grad``); an experiment that needs more in its step (micro-batch
+accumulation, autocast and a loss scale, a spike guard watching the loss before backward) passes its own
+``step(model, optimizer, batch) -> loss``, and the loop stays the same: the wall time of each step, the loss of
+each step, a callback after it (an MVAS schedule, an LR scheduler, logging), a progress bar, and what a
+non-finite loss does (``on_nonfinite="raise"``, or ``"stop"``: the run ends there and ``TrainLog.diverged_at``
+says where). ``train_round_robin`` runs several (model, optimizer) pairs in lock step, one step of each in turn.
+
+``evaluate_lm`` gives the token-weighted mean cross-entropy and the next-token accuracy (the argmax of the logits at
+position t equals the token at t + 1) on held-out batches, with gradients off, the model in eval mode (restored
+afterwards) and optionally under autocast. Batches move to the model's device in both.
+
+Not here: the communication measurements (``macroarch.measure.comm_bench``, ``calibrate``) time forward, backward
+and a gradient synchronisation inside launched ranks, without an optimizer step; that is a benchmark of the
+synchronisation, not a training loop.
 """
 
 from __future__ import annotations
@@ -21,13 +30,24 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+Step = Callable[[nn.Module, torch.optim.Optimizer, Batch], float]
+NONFINITE = ("raise", "stop")
+
 
 @dataclass
 class TrainLog:
-    """Per-step training loss and wall seconds."""
+    """Per-step training loss and wall seconds; where the run stopped on a non-finite loss (None: it did not)."""
 
     losses: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    diverged_at: int | None = None
+    wall_seconds: float = 0.0
+    """The whole loop: steps, callbacks and progress bar."""
+
+    @property
+    def diverged(self) -> bool:
+        return self.diverged_at is not None
 
     def step_time(self, skip: int = 2) -> float:
         """Median seconds per step, the first ``skip`` steps (warm-up: allocation, lazy state) left out."""
@@ -44,65 +64,105 @@ class EvalResult:
     tokens: int
 
 
-def train_lm(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-             *, after_step: Callable[[int, float], Any] | None = None, desc: str | None = None,
-             mininterval: float = 10.0) -> TrainLog:
-    """Train on every ``(input_ids, labels)`` batch; ``after_step(step, loss)`` runs after each step."""
-    log = TrainLog()
-    model.train()
-    for step, (input_ids, labels) in enumerate(tqdm(batches, desc=desc, mininterval=mininterval, disable=desc is None)):
-        loss, seconds = _one_step(model, optimizer, input_ids, labels)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training loss is {loss} at step {step}")
-        log.losses.append(loss)
-        log.seconds.append(seconds)
-        if after_step is not None:
-            after_step(step, loss)
-    return log
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
-def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor,
-              labels: torch.Tensor) -> tuple[float, float]:
-    start = time.perf_counter()
-    loss = model(input_ids=input_ids, labels=labels).loss
+def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The model's own causal-LM loss on ``(input_ids, labels)`` (transformers shifts the labels), the batch moved
+    to the model's device."""
+    device = _device(model)
+    return model(input_ids=batch[0].to(device), labels=batch[1].to(device)).loss
+
+
+def lm_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> float:
+    """The plain step: forward with labels, backward, ``optimizer.step()``, ``zero_grad``; returns the loss."""
+    loss = lm_loss(model, batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item(), time.perf_counter() - start
+    return loss.item()
 
 
-def train_round_robin(runs: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]],
-                      batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                      after_step: Mapping[str, Callable[[int, float], Any]] | None = None, desc: str | None = None,
-                      mininterval: float = 10.0) -> dict[str, TrainLog]:
+def _check(on_nonfinite: str) -> None:
+    if on_nonfinite not in NONFINITE:
+        raise ValueError(f"on_nonfinite={on_nonfinite!r} must be one of {NONFINITE}")
+
+
+def _timed(step: Step, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = step(model, optimizer, batch)
+    return loss, time.perf_counter() - start
+
+
+def train_lm(model: nn.Module, optimizer: torch.optim.Optimizer | None, batches: Iterable[Batch], *,
+             step: Step = lm_step, after_step: Callable[[int, float], Any] | None = None,
+             on_nonfinite: str = "raise", desc: str | None = None, mininterval: float = 10.0) -> TrainLog:
+    """Train on every batch with ``step`` (default :func:`lm_step`); ``after_step(index, loss)`` runs after each.
+
+    A non-finite loss raises ``FloatingPointError`` (``on_nonfinite="raise"``) or ends the run
+    (``"stop"``: the loss is not recorded, ``after_step`` is not called, ``log.diverged_at`` is its index).
+    ``desc`` shows a progress bar (refreshed at most every ``mininterval`` seconds).
+    """
+    _check(on_nonfinite)
+    log = TrainLog()
+    model.train()
+    start = time.perf_counter()
+    for index, batch in enumerate(tqdm(batches, desc=desc, mininterval=mininterval, disable=desc is None)):
+        loss, seconds = _timed(step, model, optimizer, batch)
+        if not math.isfinite(loss):
+            if on_nonfinite == "raise":
+                raise FloatingPointError(f"training loss is {loss} at step {index}")
+            log.diverged_at = index
+            break
+        log.losses.append(loss)
+        log.seconds.append(seconds)
+        if after_step is not None:
+            after_step(index, loss)
+    log.wall_seconds = time.perf_counter() - start
+    return log
+
+
+def train_round_robin(runs: Mapping[str, tuple[nn.Module, torch.optim.Optimizer]], batches: Iterable[Batch], *,
+                      after_step: Mapping[str, Callable[[int, float], Any]] | None = None, step: Step = lm_step,
+                      desc: str | None = None, mininterval: float = 10.0) -> dict[str, TrainLog]:
     """Train several ``(model, optimizer)`` pairs on the same batches, one step of each in turn, so that load
-    from other processes on a shared machine hits all of them alike and their step times compare fairly."""
+    from other processes on a shared machine hits all of them alike and their step times compare fairly.
+    A non-finite loss raises ``FloatingPointError`` naming the run."""
     logs = {name: TrainLog() for name in runs}
     after_step = after_step or {}
     for model, _ in runs.values():
         model.train()
-    for step, (input_ids, labels) in enumerate(tqdm(batches, desc=desc, mininterval=mininterval, disable=desc is None)):
+    start = time.perf_counter()
+    for index, batch in enumerate(tqdm(batches, desc=desc, mininterval=mininterval, disable=desc is None)):
         for name, (model, optimizer) in runs.items():
-            loss, seconds = _one_step(model, optimizer, input_ids, labels)
+            loss, seconds = _timed(step, model, optimizer, batch)
             if not math.isfinite(loss):
-                raise FloatingPointError(f"{name}: training loss is {loss} at step {step}")
+                raise FloatingPointError(f"{name}: training loss is {loss} at step {index}")
             logs[name].losses.append(loss)
             logs[name].seconds.append(seconds)
             if name in after_step:
-                after_step[name](step, loss)
+                after_step[name](index, loss)
+    for log in logs.values():
+        log.wall_seconds = time.perf_counter() - start
     return logs
 
 
 @torch.no_grad()
-def evaluate_lm(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> EvalResult:
-    """Token-weighted cross-entropy and next-token accuracy of a causal LM on ``batches``."""
+def evaluate_lm(model: nn.Module, batches: Iterable[Batch], *, autocast_dtype: torch.dtype | None = None) -> EvalResult:
+    """Token-weighted cross-entropy and next-token accuracy of a causal LM on ``batches`` (labels -100 are
+    ignored), optionally under ``torch.autocast`` to ``autocast_dtype``. A model whose logits are not finite
+    gives a NaN loss, not an error."""
     was_training = model.training
     model.eval()
+    device = _device(model)
     total_loss, correct, tokens = 0.0, 0, 0
     try:
         for input_ids, labels in batches:
-            logits = model(input_ids=input_ids).logits[:, :-1].float()  # (B, T-1, V): predicts positions 1..T-1
-            target = labels[:, 1:]
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = model(input_ids=input_ids.to(device)).logits
+            logits = logits[:, :-1].float()  # (B, T-1, V): predicts positions 1..T-1
+            target = labels[:, 1:].to(device)
             mask = target != -100
             total_loss += float(F.cross_entropy(logits[mask], target[mask], reduction="sum"))
             correct += int((logits.argmax(-1)[mask] == target[mask]).sum())

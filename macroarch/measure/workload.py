@@ -2,6 +2,10 @@
 
 Every rank builds the same initial weights (one seed) and draws its own batches (seed + rank), as data
 parallelism does; all sizes come from the caller, so the ci and cpu profiles differ only in numbers.
+
+The ranks (``comm_bench``, ``calibrate``) time forward, backward and the gradient synchronisation, with no optimizer
+step so that every set-up sees the same weights: a benchmark of the synchronisation, not a training loop, so it
+does not go through ``experiments.loop`` (a layer above this one).
 """
 
 from __future__ import annotations
