@@ -157,12 +157,13 @@ class PipelineConfig:
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite: one float32 sum each (inf and NaN propagate into it; a
-    sum that overflows float32, elements near 1e30 and beyond, counts as non-finite), one synchronisation."""
+    """Whether every element of every tensor is finite, with one synchronisation: each tensor's sum is checked
+    (inf and NaN propagate into it, and it needs no temporary; a sum that overflows, elements near 1e36 and
+    beyond, counts as non-finite), an fp16 tensor's elements one by one (its sum would overflow at 65504)."""
     if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
         return True  # fake tensors (full-size memory measurements) have no values to check
-    sums = [t.sum(dtype=torch.float32) for t in tensors]
-    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+    flags = [torch.isfinite(t).all() if t.dtype == torch.float16 else torch.isfinite(t.sum()) for t in tensors]
+    return not flags or bool(torch.stack(flags).all())
 
 
 def _on_grad_ready(ref: weakref.ref, param: torch.Tensor) -> None:

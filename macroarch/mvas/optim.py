@@ -20,8 +20,8 @@ The Adam math is torch.optim.AdamW's, computed in fp32 one tensor at a time; wha
 
 **Atomic steps.** Before anything is written, every gradient (and the closure's loss, if given) is checked: one
 inf or NaN anywhere skips the whole step (weights, packed or not, moments and step counters untouched) and
-counts it in ``skipped_nonfinite`` (saved in ``state_dict``). The check is one float32 sum per gradient; a
-gradient whose sum overflows float32 (elements near 1e30 and beyond) counts as non-finite.
+counts it in ``skipped_nonfinite`` (saved in ``state_dict``). The check is one sum per gradient
+(``macroarch.dgr.pipeline.all_finite``).
 
 ``state_dict()`` / ``load_state_dict()`` round-trip exactly: torch casts floating state to the parameter's
 dtype on load, so the packed moments and the master copies are put back as they were saved, and the state

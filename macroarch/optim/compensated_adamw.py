@@ -17,14 +17,19 @@ functional ``adam(..., decoupled_weight_decay=True)`` on the parameters and mome
   their own master and never get a copy.
 - ``grad_scale``: ``"norm"`` (or a ``NormGradScaler`` to share, e.g. across DGR groups) is the post's
   ``2^5 / max_grad_norm`` used as a loss scale (``macroarch.optim.scale``): ``opt.scale_loss(loss).backward()``,
-  and ``step()`` divides the scale back out. Then a non-finite gradient (inf/NaN in any parameter) skips the
-  update: no parameter, moment, master or step counter changes, and the scale backs off.
+  and ``step()`` divides the scale back out (or ``unscale_()`` does it earlier, before gradients are clipped,
+  as ``torch.amp.GradScaler.unscale_``). A non-finite gradient also backs the scale off.
 - ``delay_compensation``: a ``macroarch.dgr.GradientCompensator`` (DC-ASGD, Zheng et al. 2017) for gradients
   that are applied after the weights have moved: ``opt.snapshot_weights()`` records the weights a gradient is
   computed at (call it before that forward pass); each update takes the oldest snapshot as ``w_then`` and
   corrects the gradient with ``w_now - w_then`` before Adam sees it. No snapshot: the gradient is fresh.
 - ``spike_guard``: a ``LossSpikeGuard`` (``macroarch.optim.spike_guard``): its LR factor multiplies every
   group's ``lr`` at the update, a ``"skip"`` trigger skips the update, ``"lower_scale"`` backs off the scale.
+
+**Atomic updates.** An update is all or nothing: an inf or NaN in any gradient of it (any micro-batch), a
+non-finite loss returned by the closure, or a non-finite loss seen by the spike guard (whatever its action)
+skips it: no parameter, master, moment or step counter changes; the gradients of the window are dropped and
+the skip is counted in ``stats["skipped_nonfinite"]`` (saved in ``state_dict``).
 
 ``count_lost_updates=True`` counts, at every update, the elements with a due update (nonzero first moment)
 whose stored weight (the master if there is one, else the parameter) did not change: updates that round to
@@ -47,6 +52,7 @@ import torch
 from torch.optim.adam import adam
 
 from macroarch.dgr.compensation import GradientCompensator
+from macroarch.dgr.pipeline import all_finite
 from macroarch.optim._state import restore_saved_state
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
@@ -141,6 +147,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if spike_guard is not None:
             spike_guard.attach_scaler(grad_scale)
         self._micro = 0  # step() calls since the last update
+        self._unscaled = False  # unscale_() has divided this update's gradients by the loss scale already
+        self._bad_loss = False  # a closure returned a non-finite loss in this update's window
         self._guard_seen = 0 if spike_guard is None else spike_guard.observations
         self._snapshots: collections.deque[dict[int, torch.Tensor]] = collections.deque()
         self.updated = False  # whether the last step() updated (for LR schedulers under accumulation)
@@ -162,6 +170,22 @@ class CompensatedAdamW(torch.optim.Optimizer):
         """``loss`` times the gradient scale (unchanged without ``grad_scale``); call ``.backward()`` on it."""
         return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
 
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Divide this update's gradients (``.grad`` and the accumulation buffers) by the loss scale now, e.g.
+        before clipping them; ``step()`` then does not divide again. A no-op without ``grad_scale`` or when
+        already done for this update."""
+        if self.grad_scaler is None or self._unscaled:
+            return
+        scale = self.grad_scaler.applied_scale
+        for p in self._params():
+            if p.grad is not None:
+                p.grad.div_(scale)
+            buffer = self.state.get(p, {}).get("grad_accum")
+            if buffer is not None:
+                buffer.div_(scale)
+        self._unscaled = True
+
     def snapshot_weights(self) -> None:
         """Record the current weights as ``w_then`` of a gradient about to be computed (delay compensation)."""
         if self.compensator is None:
@@ -181,6 +205,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if not all_finite([torch.as_tensor(loss).detach()]):
+                self._bad_loss = True
         self._micro += 1
         self.updated = False
         if self._micro < self.accumulation_steps:
@@ -277,22 +303,26 @@ class CompensatedAdamW(torch.optim.Optimizer):
     def _update(self) -> None:
         params = self._params()
         grads = {i: g for i, p in enumerate(params) if (g := self._take_grad(p)) is not None}
-        scale = 1.0 if self.grad_scaler is None else self.grad_scaler.applied_scale
+        scale = 1.0 if self.grad_scaler is None or self._unscaled else self.grad_scaler.applied_scale
         divisor = self.accumulation_steps * scale
-        skip = False
+        skip, nonfinite, self._unscaled = False, self._bad_loss, False
+        self._bad_loss = False
         if self.spike_guard is not None:
             if self.spike_guard.skips(after=self._guard_seen):
                 skip = True
                 self.stats["skipped_spike"] += 1
+            nonfinite |= self.spike_guard.saw_nonfinite(after=self._guard_seen)
             self._guard_seen = self.spike_guard.observations
         if self.grad_scaler is not None:
             norm = global_grad_norm(grads.values()) / divisor
             self.grad_scaler.update(norm)
-            if not math.isfinite(norm):
-                skip = True
-                self.stats["skipped_nonfinite"] += 1
+            nonfinite |= not math.isfinite(norm)
+        elif grads:
+            nonfinite |= not all_finite(list(grads.values()))
+        if nonfinite:
+            self.stats["skipped_nonfinite"] += 1
         w_then = self._snapshots.popleft() if self._snapshots else None
-        if skip or not grads:
+        if skip or nonfinite or not grads:
             return
         lr_factor = 1.0 if self.spike_guard is None else self.spike_guard.lr_factor
         first = 0

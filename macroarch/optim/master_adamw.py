@@ -11,8 +11,12 @@ run one parameter at a time so that the fp32 copy of a gradient is a transient o
 the whole model. All state (master copy, m, v, step) is created in ``__init__``, not lazily on the
 first step, so memory is steady from the first step on.
 
-Deviations: no loss scaling and no overflow skipping (bf16 needs neither; fp16 training would pair
-this with ``torch.amp.GradScaler``), no foreach/fused kernels, no amsgrad.
+A step is all or nothing: an inf or NaN in any gradient, or a non-finite loss returned by the closure,
+skips it (masters, moments, step counters and weights untouched) and counts it in ``skipped_nonfinite``
+(saved in ``state_dict``).
+
+Deviations: no loss scaling (bf16 needs none; fp16 training would pair this with ``torch.amp.GradScaler``),
+no foreach/fused kernels, no amsgrad.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim.adam import adam
 
+from macroarch.dgr.pipeline import all_finite
 from macroarch.optim._state import restore_saved_state
 
 
@@ -56,6 +61,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.master_dtype = master_dtype
+        self.skipped_nonfinite = 0
         for group in self.param_groups:
             for p in group["params"]:
                 self.state[p] = {
@@ -70,7 +76,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         """The master copies, one per parameter, in parameter-group order."""
         return [self.state[p]["master"] for g in self.param_groups for p in g["params"]]
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["skipped_nonfinite"] = self.skipped_nonfinite
+        return state
+
     def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        self.skipped_nonfinite = int(state_dict.pop("skipped_nonfinite", 0))
         super().load_state_dict(state_dict)
         # torch.optim casts loaded state to each parameter's dtype, which would round the master copy
         # and the moments to 16 bits; put the saved full-precision values back.
@@ -82,6 +95,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or not all_finite(grads):
+            self.skipped_nonfinite += 1
+            return loss
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

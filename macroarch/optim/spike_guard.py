@@ -10,6 +10,9 @@ triggers when ``loss > (1 + threshold) * mean`` (or a non-finite loss). On a tri
 - ``"lower_scale"``: the gradient scale of every attached optimizer's ``NormGradScaler`` backs off once;
 - ``"skip"``: attached optimizers skip the update that contains the spiking batch (weights untouched).
 
+A non-finite loss always triggers, and an attached optimizer always skips the update that contains it
+(``saw_nonfinite``), whatever the action: a NaN loss is no update to take at a lower learning rate.
+
 Each trigger is logged (``logging`` warning on ``macroarch.optim``) and kept in ``triggers``.
 
 Call ``observe`` once per forward pass, before ``backward``: under DGR the groups step inside backward and
@@ -132,6 +135,15 @@ class LossSpikeGuard:
         log.warning("loss spike at observation %d: loss %.4g vs running mean %.4g (%+.1f%%) -> %s", index, value,
                     trigger.running_mean, 100 * change if finite else math.inf, self.action)
         return trigger
+
+    def saw_nonfinite(self, after: int) -> bool:
+        """Whether an observation with index >= ``after`` was a non-finite loss."""
+        for trigger in reversed(self.triggers):
+            if trigger.observation < after:
+                return False
+            if not math.isfinite(trigger.loss):
+                return True
+        return False
 
     def skips(self, after: int) -> bool:
         """Whether an observation with index >= ``after`` triggered a skip (an optimizer's pending update)."""

@@ -162,6 +162,57 @@ def test_interleaved_applies_each_group_late_and_compensated_as_written_by_hand(
     _assert_same_weights(net, ref)
 
 
+class _Cuttable(nn.Module):
+    """Four blocks; ``cut=True`` detaches after block 1, so blocks 0 and 1 get no gradient on that step."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(5, 5) for _ in range(4))
+
+    def forward(self, x, cut=False):
+        for i, block in enumerate(self.blocks):
+            x = torch.tanh(block(x))
+            if cut and i == 1:
+                x = x.detach()
+        return x
+
+
+def test_interleaved_delays_count_steps_for_groups_with_gradients_on_some_steps_only():
+    torch.manual_seed(0)
+    net = _Cuttable().to(F64)
+    ref = copy.deepcopy(net)
+    xs = [torch.randn(6, 5, dtype=F64) for _ in range(9)]
+    cuts = [step % 3 != 0 for step in range(len(xs))]  # blocks 0 and 1 learn on every third step only
+    lr, delays = 0.1, [0, 1, 2, 3]
+    dgr = DGRWrapper(net, group_size=1, mode="interleaved", delays=delays, example_inputs=xs[0])
+    assert all(any(p is b.weight for p in g.params) for g, b in zip(dgr.grouping, reversed(net.blocks)))
+    opt = dgr.optimizer(torch.optim.SGD, lr=lr)
+    for x, cut in zip(xs, cuts):
+        dgr(x, cut=cut).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    # By hand: the gradient of step t is applied at step t + delay, and a step without one applies nothing.
+    delay = {id(p): d for g, d in zip(dgr.grouping, delays) for p in g.params}
+    refs = {id(p): q for p, q in zip(net.parameters(), ref.parameters())}
+    queues = collections.defaultdict(collections.deque)
+    applied = collections.Counter()
+    for x, cut in zip(xs, cuts):
+        ref.zero_grad()
+        ref(x, cut=cut).square().mean().backward()
+        with torch.no_grad():
+            for key, p in refs.items():
+                queues[key].append(None if p.grad is None else p.grad.clone())
+                if len(queues[key]) > delay[key]:
+                    g = queues[key].popleft()
+                    if g is not None:
+                        p -= lr * g
+                        applied[key] += 1
+    _assert_same_weights(net, ref)
+    first = net.blocks[0].weight  # delay 3, gradients at steps 0, 3, 6: those of 0 and 3 are applied by step 8
+    assert applied[id(first)] == 2 and not torch.equal(first, _Cuttable().to(F64).blocks[0].weight)
+
+
 def test_interleaved_with_zero_delays_is_sync(zoo):
     runs = []
     for kwargs in (dict(mode="sync"), dict(mode="interleaved", delays=0, compensator=GradientCompensator(1.0))):
