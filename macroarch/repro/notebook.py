@@ -123,12 +123,10 @@ def notebook_parameters(stem: str, root: Path | None = None) -> dict[str, Parame
 
 def profile_values(stem: str, profile: str, root: Path | None = None) -> dict[str, Any]:
     """The parameters ``papermill_runs/<profile>.yaml`` gives notebook ``stem`` (empty if it lists none)."""
-    from macroarch.repro.runner import load_profile  # the runner validates the profile file
+    from macroarch.repro.profiles import load_job  # validates the profile file
 
-    for job in load_profile(profile, root):
-        if job.stem == stem:
-            return dict(job.parameters)
-    return {}
+    job = load_job(profile, stem, root)
+    return dict(job.parameters) if job is not None else {}
 
 
 def resolve(stem: str, given: Mapping[str, Any], root: Path | None = None) -> dict[str, Any]:
