@@ -5,7 +5,9 @@
 - ``tracking``: ``start_run`` writes ``result.json`` and a W&B run (offline by default) with the same numbers;
 - ``wandb_sidecar``: the process that owns a run's W&B side, so W&B faults never reach the measurement;
 - ``wandb_offline``: reads offline W&B runs back, so the paper can be built from W&B;
-- ``runner``: batch execution of the notebooks with papermill, per profile, checked first, resumable, locked;
+- ``profiles``: ``papermill_runs/<profile>.yaml``, checked against the notebooks before anything runs;
+- ``runner``: batch execution of the notebooks with papermill, per profile, resumable, locked;
+- ``progress``: the live line (cells done, elapsed) while a notebook runs;
 - ``paper``: each claim's latest run, merged into its profile's paper;
 - ``cli``: the ``macroarch`` command.
 """
