@@ -33,8 +33,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 from macroarch._table import format_table
@@ -131,58 +129,6 @@ def random_batches(count: int, batch_size: int, seq_len: int, seed: int, device:
 
 
 # ---------------------------------------------------------------------------------------- what it moves
-_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.bmm.default: (0, 1),
-            torch.ops.aten.addmm.default: (1, 2), torch.ops.aten.baddbmm.default: (1, 2)}
-
-
-class OpCounter(TorchDispatchMode):
-    """Every aten op run inside: how many, the shape of each matmul, and the bytes read + written by the others
-    (views move nothing and are not counted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops, self.bytes = 0, 0
-        self.matmuls: dict[tuple, int] = {}  # (func, a's shape and strides, b's, dtype) -> count
-
-    @property
-    def flops(self) -> int:
-        return sum(2 * math.prod(a[0][:-1]) * a[0][-1] * b[0][-1] * c for (_, a, b, _), c in self.matmuls.items())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        if func in _MATMULS:
-            i, j = _MATMULS[func]
-            a, b = args[i], args[j]  # with their strides: a transposed operand can take another kernel
-            key = (func, (tuple(a.shape), a.stride()), (tuple(b.shape), b.stride()), a.dtype)
-            self.matmuls[key] = self.matmuls.get(key, 0) + 1
-        elif not func.is_view:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
-        return out
-
-
-def matmul_seconds(matmuls: dict[tuple, int], device: str = "cpu", repeats: int = 3) -> float:
-    """The time of a step's matmuls, each (shape, strides) timed alone (fastest of ``repeats``) and counted as
-    often as the step runs it: this machine's matmul rate at exactly the shapes and layouts the model uses."""
-    dev = torch.device(device)
-    total = 0.0
-    for (func, (a_shape, a_stride), (b_shape, b_stride), dtype), count in matmuls.items():
-        a = torch.empty_strided(a_shape, a_stride, dtype=dtype, device=dev).normal_()
-        b = torch.empty_strided(b_shape, b_stride, dtype=dtype, device=dev).normal_()
-        batched = func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
-        call = (lambda a=a, b=b: torch.bmm(a, b)) if batched else (lambda a=a, b=b: a @ b)
-        total += count * hw.best_seconds(call, dev, repeats)
-    return total
-
-
-def _count(fn) -> OpCounter:
-    counter = OpCounter()
-    with counter:
-        fn()
-    return counter
-
-
 @dataclass
 class Traced:
     """What one step of each variant moves, counted at the reference size, and the MVAS plan's mix."""
@@ -204,7 +150,7 @@ def trace_traffic(width: int, head_dim: int, seq_len: int, batch_size: int, *, m
     those kernels reach (their host ops' time taken out) is their efficiency."""
     batch = random_batches(1, batch_size, seq_len, seed, device)[0]
     dev = torch.device(device)
-    counts: dict[int, dict[str, dict[str, OpCounter]]] = {}
+    counts: dict[int, dict[str, dict[str, hw.OpCounter]]] = {}
     seconds: dict[str, dict[str, float]] = {}
     for layers in (1, 2):
         spec = small_llama(width, layers, head_dim, seq_len)
@@ -221,9 +167,9 @@ def trace_traffic(width: int, head_dim: int, seq_len: int, batch_size: int, *, m
 
             fwd_bwd()  # warm-up: lazy state, first allocations
             opt.step()
-            c = {"fwd_bwd": _count(fwd_bwd), "step": _count(opt.step)}
+            c = {"fwd_bwd": hw.count_ops(fwd_bwd), "step": hw.count_ops(opt.step)}
             if store is not None:
-                c["dequant"] = _count(dequant)
+                c["dequant"] = hw.count_ops(dequant)
             if layers == 2:  # the same gradients stepped again: the optimizer's time, and the materialisations'
                 seconds[name] = {"step": hw.best_seconds(opt.step, dev, 3)}
                 if store is not None:
@@ -240,7 +186,7 @@ def trace_traffic(width: int, head_dim: int, seq_len: int, batch_size: int, *, m
     managed = sum(store2.packed(name).numel for name in store2)
     bandwidth, overhead = mach.device.bandwidth, mach.device.op_overhead
 
-    def efficiency(counter: OpCounter, t: float) -> float:
+    def efficiency(counter: hw.OpCounter, t: float) -> float:
         kernel = max(t - counter.ops * overhead, 1e-9)  # the host's share is the model's host term
         return min(1.0, counter.bytes / bandwidth / kernel)
 
@@ -370,9 +316,9 @@ def validate(widths: Sequence[int], *, layers: int, head_dim: int, seq_len: int,
         seconds, step = _step_clock(runs, device)
         logs = train_round_robin({name: (model, opt) for name, (model, opt, _) in runs.items()}, batches, step=step)
         base, ids = runs[BASELINE][0], batches[0][0]
-        shapes = _count(lambda base=base, ids=ids: base(input_ids=ids, labels=ids).loss.backward()).matmuls
+        shapes = hw.count_ops(lambda base=base, ids=ids: base(input_ids=ids, labels=ids).loss.backward()).matmuls
         runs[BASELINE][1].zero_grad(set_to_none=True)
-        mm = matmul_seconds(shapes, device)
+        mm = hw.matmul_seconds(shapes, device)
         w = Workload(spec.shape, seq_len, batch_size, flash_attention=False, compute=compute,
                      device_type=torch.device(device).type)
         times = {name: step_time(w, m, mach.device, matmul_seconds=mm) for name, m in methods.items()}

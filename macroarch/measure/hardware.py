@@ -20,17 +20,22 @@ Conventions:
 :func:`measure_machine` adds the machine this runs on: matmul throughput in fp32 and bf16 and copy bandwidth,
 timed now (on a CUDA device too, which is how ``benchmarks/gpu_check.sh`` checks a GPU against its row): the fastest
 of several runs, in CPU seconds of the calling thread when a CPU runs one thread (:func:`clock`), so that other
-processes on a shared machine do not count.
+processes on a shared machine do not count. :class:`OpCounter` counts what a training step runs (every aten op, the
+bytes the non-view ones read and write, each matmul's shape and strides) and :func:`matmul_seconds` times those
+matmuls alone: what the step-time model is checked with on this machine.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from macroarch.measure.step_time import Device
 
@@ -325,6 +330,60 @@ def machine_device(row: Accelerator, op_overhead_s: float, device: str = "cpu") 
     return Device(name=base.name, matmul_flops=rates, bandwidth=base.bandwidth, memory=base.memory,
                   link_bandwidth=None, link_latency=None, op_overhead=op_overhead_s,
                   asynchronous=torch.device(device).type == "cuda")
+
+
+# ------------------------------------------------------------------------------------------- a step, counted
+_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.bmm.default: (0, 1),
+            torch.ops.aten.addmm.default: (1, 2), torch.ops.aten.baddbmm.default: (1, 2)}
+
+
+class OpCounter(TorchDispatchMode):
+    """Every aten op run inside: how many, the shape of each matmul, and the bytes read + written by the others
+    (views move nothing and are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.bytes = 0, 0
+        self.matmuls: dict[tuple, int] = {}  # (func, a's shape and strides, b's, dtype) -> count
+
+    @property
+    def flops(self) -> int:
+        return sum(2 * math.prod(a[0][:-1]) * a[0][-1] * b[0][-1] * c for (_, a, b, _), c in self.matmuls.items())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if func in _MATMULS:
+            i, j = _MATMULS[func]
+            a, b = args[i], args[j]  # with their strides: a transposed operand can take another kernel
+            key = (func, (tuple(a.shape), a.stride()), (tuple(b.shape), b.stride()), a.dtype)
+            self.matmuls[key] = self.matmuls.get(key, 0) + 1
+        elif not func.is_view:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def matmul_seconds(matmuls: dict[tuple, int], device: str = "cpu", repeats: int = 3) -> float:
+    """The time of a step's matmuls, each (shape, strides) timed alone (fastest of ``repeats``) and counted as
+    often as the step runs it: this machine's matmul rate at exactly the shapes and layouts the model uses."""
+    dev = torch.device(device)
+    total = 0.0
+    for (func, (a_shape, a_stride), (b_shape, b_stride), dtype), count in matmuls.items():
+        a = torch.empty_strided(a_shape, a_stride, dtype=dtype, device=dev).normal_()
+        b = torch.empty_strided(b_shape, b_stride, dtype=dtype, device=dev).normal_()
+        batched = func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)
+        call = (lambda a=a, b=b: torch.bmm(a, b)) if batched else (lambda a=a, b=b: a @ b)
+        total += count * best_seconds(call, dev, repeats)
+    return total
+
+
+def count_ops(fn) -> OpCounter:
+    """Run ``fn`` under an :class:`OpCounter` and return the counter."""
+    counter = OpCounter()
+    with counter:
+        fn()
+    return counter
 
 
 # ------------------------------------------------------------------------------------------- the table

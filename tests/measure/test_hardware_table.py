@@ -1,4 +1,7 @@
-"""The accelerator table: every figure sourced, dense (not sparse) throughputs, the fp8 and ECC facts of C11."""
+"""The accelerator table: every figure sourced, dense (not sparse) throughputs, the fp8 and ECC facts of C11; this
+machine measured; a step counted."""
+
+import time
 
 import pytest
 import torch
@@ -73,3 +76,14 @@ def test_this_machine_is_measured():
     assert row.source("*") == "measured" and row.bf16_tflops > 0 and row.fp32_tflops > 0 and 0 < overhead < 1e-2
     device = hw.machine_device(row, overhead, dev)
     assert not device.asynchronous and device.op_overhead == overhead
+    assert hw.clock(torch.device("cpu")) is time.thread_time  # one thread (the tests' fixture): its CPU time
+
+
+def test_op_counter_counts_matmul_flops_and_data_moved_but_not_views():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    x = torch.randn(3, 5, 7)
+    counter = hw.count_ops(lambda: (a @ b, torch.bmm(x, torch.randn(3, 7, 2)), a + 1.0, a.t(), a.view(16, 8)))
+    assert counter.flops == 2 * 8 * 16 * 4 + 2 * 3 * 5 * 7 * 2
+    assert sorted(((a[0], b[0]) for _, a, b, _ in counter.matmuls)) == [((3, 5, 7), (3, 7, 2)), ((8, 16), (16, 4))]
+    # a + 1.0 reads a and writes a new tensor (the scalar is no tensor); randn writes its output; views: nothing
+    assert counter.bytes == 2 * a.numel() * 4 + 3 * 7 * 2 * 4
