@@ -136,6 +136,18 @@ def test_wandb_that_cannot_start_does_not_fail_the_run(isolated, monkeypatch):
     assert r["status"] == "complete" and "did not start" in r["wandb"]["error"]
 
 
+def test_wandb_that_cannot_write_its_tables_and_artifacts_does_not_fail_the_run(isolated, monkeypatch):
+    blocker = isolated / "blocker"
+    blocker.write_text("")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(blocker / "data"))  # where W&B stages tables and artifacts
+    with start_run("C4", "ci", {}) as run:
+        run.summary(post_accounting_bytes=1.4e12, mixed_precision_bytes=2.8e12)
+        run.verdict(_verdict())
+    r = read_result(result_path("C4", "ci"))
+    assert r["status"] == "complete" and r["verdict"]["grade"] == "partially"
+    assert r["wandb"]["state"] == "failed" and "Unable to write staging files" in r["wandb"]["error"]
+
+
 KILL_CORE = textwrap.dedent('''
     import json, sys, time
     import psutil
