@@ -355,7 +355,8 @@ class Run:
             dir=str(wdir),
             mode=mode,
         )
-        linger = 120.0 if os.environ.get(EVIDENCE_ENV) else 0.0
+        # after the kernel ends, how long to wait for papermill's last write of the executed notebook
+        linger = float(os.environ.get("MACROARCH_WANDB_LINGER", 60)) if os.environ.get(EVIDENCE_ENV) else 0.0
         try:
             wdir.mkdir(parents=True, exist_ok=True)
             self._sidecar = Sidecar(wandb_status_path(self.path), init, linger_s=linger)

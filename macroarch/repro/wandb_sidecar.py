@@ -295,18 +295,23 @@ class _Worker:
                      evidence=sorted(files), notebook=notebook.name if notebook else None)
 
     def _await_notebook(self, candidates: list[str]) -> Path | None:
-        """Under the runner, the executed notebook appears once the kernel has ended: wait for it (bounded)."""
+        """Under the runner, the executed notebook appears once the kernel has ended (a notebook measures other
+        claims after this one, maybe for minutes): wait while the kernel lives, then ``linger_s`` at most."""
         if not candidates:
             return None
-        deadline = time.monotonic() + self.linger_s
+        gone_since = None
         while True:
             for c in map(Path, candidates):
                 with contextlib.suppress(OSError):
                     if c.stat().st_mtime >= self.started - 1:
                         time.sleep(0.2)  # let a rename in progress settle
                         return c
-            if time.monotonic() >= deadline:
-                return None
+            if _alive(self.watch_pid):
+                self.deadline = time.monotonic() + self.linger_s + _HANG_S  # waiting is not hanging
+            else:
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since >= self.linger_s:
+                    return None
             time.sleep(0.2)
 
     def _log_evidence(self, files: dict[str, str], profile: str, summary: dict) -> None:
@@ -338,6 +343,16 @@ class _Worker:
         # finish() returns before wandb-core has written the tail of the log; teardown waits for it.
         wandb.teardown()
         self.run = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,6 +121,35 @@ def test_unannotated_parameters_cell_gets_its_values_from_papermill(project):
         runner.load_profile("ci")
 
 
+THREE_RUNS = '''
+import time
+from macroarch.repro.tracking import start_run
+for i, claim in enumerate(["C2", "C3", "R1"]):
+    with start_run(claim, profile, {"machine": {}}) as run:
+        run.summary(x=i)
+        run.verdict(grade="reproduced", measured=str(i), target="t", scale="s")
+    time.sleep(3 if i == 0 else 0)  # the first run's W&B process waits longer than its linger after finishing
+'''
+
+
+def test_every_run_of_a_notebook_gets_the_executed_notebook_as_evidence(project, isolated, monkeypatch):
+    from macroarch.repro.wandb_offline import find_offline_runs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("MACROARCH_WANDB_LINGER", "1")
+    _notebook(project / "notebooks" / "01_gradient_explosion.ipynb", THREE_RUNS, params=PROFILE_ONLY)
+    (job,) = runner.select(runner.load_profile("ci"), "C2")
+    outcome = runner.execute(job, "ci")
+    assert outcome.status == "ok" and not outcome.wandb_errors, (outcome.error, outcome.wandb_errors)
+    executed = (isolated / "out" / "ci" / "01_gradient_explosion.ipynb").read_bytes()
+    runs = find_offline_runs(isolated)
+    assert sorted(r.config["claim"] for r in runs) == ["C2", "C3", "R1"]
+    for r in runs:
+        (art,) = [a for a in r.artifacts if a.type == "evidence"]
+        assert art.files["01_gradient_explosion.ipynb"].read_bytes() == executed, r.config["claim"]
+        assert read_result(result_path(r.config["claim"], "ci"))["wandb"]["state"] == "finished"
+
+
 @pytest.mark.parametrize("entries, message", [
     ([{"notebook": "99_nothing"}], "unknown notebook '99_nothing'"),
     ([{"notebook": "02_memory_wall", "parameters": {"sise": 1}}], "unknown parameter 'sise'"),
