@@ -43,7 +43,9 @@ tensor); an inf or NaN gradient anywhere, or a non-finite loss (``observe_loss(l
 ``step(closure)``), skips the whole step: the group and every group after it update nothing, and with
 ``atomic_steps=True`` the groups updated earlier in the same step are rolled back, so weights (packed or
 not), optimizer state, step counters, delay queues and compensator state are bitwise as before the step.
-The skip is counted in ``skipped_nonfinite`` (saved in ``state_dict``). Exceptions: if a group's step
+The skip is counted in ``skipped_nonfinite`` (saved in ``state_dict``), and per-group optimizers that keep
+per-update bookkeeping are told (``skip_update(nonfinite=...)``: ``CompensatedAdamW`` backs its loss scale off
+once, for the group whose gradient overflowed). Exceptions: if a group's step
 raises, with ``atomic_steps=True`` the whole step is rolled back the same way, ``.grad`` keeps the gradient
 the failing group held (clipped, if clipping is on), and a RuntimeError naming the group is raised from the
 original error (out of ``loss.backward()`` when it happened there).
@@ -58,7 +60,7 @@ Reporting: ``grad_norm()`` is the norm of the whole gradient of the current step
 norms of the groups already updated (measured as they stepped, when clipping or ``track_grad_norm`` is on) and
 of the gradients still held; HF Trainer integration logs it (``macroarch.integrations``). An optimizer that
 scales the loss (``CompensatedAdamW(grad_scale=...)``) has its gradients unscaled (its ``unscale_()``) before
-they are clipped, so ``max_grad_norm`` applies to the true gradient.
+they are clipped or measured, so ``max_grad_norm`` applies to the true gradient.
 
 Sources: updating inside backward with post-accumulate-grad hooks is the technique of PyTorch's tutorial
 "How to save memory by fusing the optimizer step into the backward pass"; the per-stage staleness is that
@@ -408,19 +410,21 @@ class DGROptimizer(torch.optim.Optimizer):
         fresh = [p.grad for p in params]
         delay, queue = self._delays[index], self._pending[index]
         if self._poisoned:
+            _skip(inner, nonfinite=False)
             self._finish(index, params)
             return
         if all(g is None for g in fresh) and not delay:
             return
         if not all_finite([g for g in fresh if g is not None]):
             self._poison()
+            _skip(inner, nonfinite=True)
             self._finish(index, params)
             return
-        if any(g is not None for g in fresh):
+        max_norm = self.param_groups[index]["max_grad_norm"]
+        if any(g is not None for g in fresh) and (max_norm is not None or self.track_grad_norm):
             unscale = getattr(inner, "unscale_", None)
             if unscale is not None:
                 unscale()  # the true gradient is clipped and measured, not the loss-scaled one
-            max_norm = self.param_groups[index]["max_grad_norm"]
             present = [p for p in params if p.grad is not None]
             if max_norm is not None:
                 self._norm_sq += float(torch.nn.utils.clip_grad_norm_(present, max_norm)) ** 2
@@ -503,6 +507,14 @@ class DGROptimizer(torch.optim.Optimizer):
                 self.compensator.meansquare.pop(name, None)
             else:
                 self.compensator.meansquare[name] = value
+
+
+def _skip(inner: torch.optim.Optimizer, nonfinite: bool) -> None:
+    """Let a per-group optimizer with bookkeeping per update (``CompensatedAdamW.skip_update``: loss scale, guard,
+    accumulation) know that DGR skips its update in this step."""
+    skip_update = getattr(inner, "skip_update", None)
+    if skip_update is not None:
+        skip_update(nonfinite=nonfinite)
 
 
 def _check_packed_weights(inner: torch.optim.Optimizer, group: Any) -> None:

@@ -186,6 +186,23 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 buffer.div_(scale)
         self._unscaled = True
 
+    def skip_update(self, nonfinite: bool = False) -> None:
+        """Drop the pending update (gradient buffers, loss-scale flag, weight snapshot, guard observations) without
+        touching any weight or moment, as a skipped update does. For a caller that skips the step for the whole
+        model (DGR, on a non-finite gradient in another group); ``nonfinite``: these gradients overflowed (counted,
+        and the loss scale backs off)."""
+        for p in self._params():
+            self.state.get(p, {}).pop("grad_accum", None)
+        self._micro, self._unscaled, self._bad_loss, self.updated = 0, False, False, False
+        if self.spike_guard is not None:
+            self._guard_seen = self.spike_guard.observations
+        if self._snapshots:
+            self._snapshots.popleft()
+        if nonfinite:
+            self.stats["skipped_nonfinite"] += 1
+            if self.grad_scaler is not None:
+                self.grad_scaler.update(math.inf)
+
     def snapshot_weights(self) -> None:
         """Record the current weights as ``w_then`` of a gradient about to be computed (delay compensation)."""
         if self.compensator is None:

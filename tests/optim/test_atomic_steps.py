@@ -185,3 +185,28 @@ def test_dgr_skips_the_step_of_a_non_finite_observed_loss():
     opt.step()
     opt.zero_grad()
     assert _equal(before, _snapshot(net, opt)) and opt.skipped_nonfinite == 1
+
+
+def test_dgr_with_a_shared_loss_scale_backs_off_once_and_then_updates_again():
+    from macroarch.optim import NormGradScaler
+
+    net, loss_fn = ZOO["llama"]()
+    wrapper = DGRWrapper(net, group_size=1, loss_fn=loss_fn)
+    scaler = NormGradScaler()
+    opt = wrapper.optimizer(CompensatedAdamW, lr=1e-2, grad_scale=scaler)
+
+    def step():
+        scaler.scale(loss_fn(net)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    before, scale = _snapshot(net, opt), scaler.get_scale()
+    handle = wrapper.grouping.groups[-1].params[0].register_hook(lambda g: g * math.inf)  # the input side
+    step()
+    handle.remove()
+    assert _equal(before, _snapshot(net, opt)) and opt.skipped_nonfinite == 1
+    assert scaler.overflows == 1 and scaler.get_scale() <= scale * scaler.config.backoff  # backed off once
+    step()
+    assert all(inner.updated for inner in opt._inner), "every group updates on the next finite step"
