@@ -642,6 +642,11 @@ def texts(v: Validation, pred: Predictions, eccs: list[Ecc], mach: Machine, *, p
                 f"no GPU here ({profile} profile): the cards are predicted, not measured; this machine measures "
                 f"MVAS + DGR at {min(p.measured_ratio for p in v.points):.2f}-"
                 f"{max(p.measured_ratio for p in v.points):.2f}x the baseline's speed")
+    how = "; ".join(f"{name.split(' SXM')[0]} at {size}: baseline {p[BASELINE].describe()}, MVAS + DGR "
+                    f"{p['achieved'].describe()}" for name in hw.POST_SPEEDUPS if name in pred.cards
+                    for size in [pred.cards[name].best("achieved")[1]] if size in pred.cards[name].plans
+                    for p in [pred.cards[name].plans[size]])
     note = (f"theoretical = {READINGS['theoretical']}; achieved = {READINGS['achieved']}; {evidence}; none of A100, "
-            f"V100, RTX 3090 has fp8 tensor cores, so MVAS's memory savings are all they can turn into speed")
+            f"V100, RTX 3090 has fp8 tensor cores, so MVAS's memory savings are all they can turn into speed; where "
+            f"they gain most: {how}")
     return {"scale": scale, "measured_text": measured, "note": note}
