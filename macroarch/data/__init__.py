@@ -1,7 +1,8 @@
 """Datasets the notebooks use, built locally by ``data_scripts/`` (nothing is downloaded).
 
 ``text``: a byte-level corpus (by default the Python standard library's source), its build, its verified
-loader. ``batches``: causal-LM, evaluation and BERT masked-LM batches from a split's byte tokens.
+loader. ``batches``: causal-LM, evaluation and BERT masked-LM batches from a split's byte tokens. ``shapes``:
+rendered scenes of coloured shapes with captions (held-out attribute combinations), for a small CLIP.
 """
 
 from macroarch.data.batches import (
@@ -15,6 +16,16 @@ from macroarch.data.batches import (
     eval_batches,
     lm_batches,
     mlm_batches,
+)
+from macroarch.data.shapes import (
+    ShapesData,
+    ShapesError,
+    ShapesSpec,
+    ShapesSplit,
+    build_shapes,
+    ensure_shapes,
+    load_shapes,
+    shuffled_batches,
 )
 from macroarch.data.text import (
     BYTE_VOCAB_SIZE,
@@ -43,17 +54,25 @@ __all__ = [
     "PAD_ID",
     "SEP_ID",
     "SPECIAL_IDS",
+    "ShapesData",
+    "ShapesError",
+    "ShapesSpec",
+    "ShapesSplit",
     "CorpusError",
     "CorpusSpec",
     "TextCorpus",
     "build_corpus",
+    "build_shapes",
     "data_root",
     "decode",
     "encode",
     "ensure_corpus",
+    "ensure_shapes",
     "eval_batches",
     "lm_batches",
     "load_corpus",
+    "load_shapes",
     "mlm_batches",
+    "shuffled_batches",
     "text_root",
 ]

@@ -1,0 +1,184 @@
+"""Notebook 11's harness (C15): the post's CLIP config applied unchanged, malformed configs refused with the model left
+usable, fake-tensor memory equal to real-tensor memory byte for byte, the batch search, retrieval, the grading rule."""
+
+import math
+
+import pytest
+import torch
+import yaml
+
+from macroarch import compose
+from macroarch.config import load_config
+from macroarch.experiments import clip
+from macroarch.measure.memory import CATEGORIES
+from macroarch.repro import cli
+from macroarch.repro.claims import CONTRADICTED, NOT_REPRODUCED, PARTIALLY, REPRODUCED, get_claim
+
+POST_BLOCK = """
+optim:
+  macro_architecture: true
+  group_size: 6
+  precision_policy:
+    text: fp16
+    image: [fp8, fp16]   # fp8 for the shallow image layers, fp16 for the deep ones
+"""
+TINY = clip.small_clip_config(vocab_size=20, context_length=8, image_size=16, patch_size=8, width=32, vision_layers=2,
+                              text_layers=2)
+
+
+def test_the_config_file_is_the_posts_block_and_loads_unchanged():
+    path = clip.post_config_path()
+    assert yaml.safe_load(path.read_text()) == yaml.safe_load(POST_BLOCK)
+    config = load_config(path)
+    assert config == load_config(yaml.safe_load(POST_BLOCK))
+    assert config.uses_mvas and config.uses_dgr and config.dgr.group_size == 6
+    assert dict(config.mvas.precision_policy) == {"text": "fp16", "image": ("fp8", "fp16")}
+
+
+def test_the_shallow_rule_on_vit_l_14():
+    """Blocks 0-11 of ViT-L/14's 24 image blocks, its patch and position embeddings: fp8; the rest of the image
+    tower: fp16; every text matrix: fp16; norms, biases and the class embedding (1024 elements) keep bf16."""
+    model = clip.build_clip(clip.model_config("ViT-L-14"), torch.bfloat16, "meta")
+    formats = {t.name: t.format for t in compose.precision_plan(model, load_config(clip.post_config_path())).tensors}
+    blocks = len(model.visual.transformer.resblocks)
+    assert blocks == 24
+    for i in range(blocks):
+        expected = "fp8_e4m3" if i < math.ceil(blocks / 2) else "fp16"
+        for tail in ("attn.in_proj_weight", "attn.out_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"):
+            assert formats[f"visual.transformer.resblocks.{i}.{tail}"] == expected, (i, tail)
+        assert formats[f"visual.transformer.resblocks.{i}.ln_1.weight"] == "bf16"
+    assert formats["visual.conv1.weight"] == formats["visual.positional_embedding"] == "fp8_e4m3"
+    assert formats["visual.proj"] == "fp16" and formats["visual.class_embedding"] == "bf16"
+    text = [n for n in formats if not n.startswith("visual.") and n != "logit_scale"]
+    assert all(formats[n] in ("fp16", "bf16") for n in text)
+    assert formats["token_embedding.weight"] == formats["transformer.resblocks.11.mlp.c_fc.weight"] == "fp16"
+    assert "fp8_e4m3" in clip.plan_table(model, load_config(clip.post_config_path()))
+
+
+@pytest.mark.parametrize("case, names", [
+    ("unknown key", "group_sise"), ("image list of 3", "precision_policy.image"),
+    ("unknown precision", "precision_policy.text"), ("group_size 0", "group_size"),
+])
+def test_a_malformed_config_names_the_key_and_leaves_the_clip_model_usable(case, names):
+    cases = clip.malformed_cases()
+    table = clip.check_malformed({case: cases[case]}, lambda: clip.example_model(TINY))
+    row = table.splitlines()[-1]
+    assert names in row and row.split()[-2:] == ["True", "True"], row
+
+
+def test_check_malformed_refuses_to_pass_a_good_config():
+    with pytest.raises(AssertionError, match="accepted"):
+        clip.check_malformed({"post": yaml.safe_load(POST_BLOCK)}, lambda: clip.example_model(TINY))
+
+
+def test_cli_config_check(tmp_path, capsys):
+    assert cli.main(["config", "check", str(clip.post_config_path())]) == 0
+    assert "ok" in capsys.readouterr().out
+    for text, key in (("optim: {macro_architecture: true, group_size: 0}", "optim.group_size"),
+                      ("optim: {precision_policy: {image: [fp8, fp16, fp4]}}", "optim.precision_policy.image"),
+                      ("optim: {precision_policy: {text: fp9}}", "fp9"),
+                      ("optim: {macro_architecture: true, grup_size: 6}", "grup_size")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        assert cli.main(["config", "check", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert key in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16_mixed", "post"])
+def test_fake_tensor_memory_equals_real_tensor_memory(variant):
+    """One step of a small CLIP, every category at the peak and at its own maximum, to the byte."""
+    config = load_config(clip.post_config_path())
+    real = clip.StepMeter(TINY, variant, config, fake=False)(4)
+    fake = clip.StepMeter(TINY, variant, config, fake=True)(4)
+    assert real.peak_bytes == fake.peak_bytes and real.by_category == fake.by_category
+    assert real.max_by_category == fake.max_by_category
+    assert set(real.by_category) == set(CATEGORIES)
+    assert real.max_by_category["parameters"] > 0 and real.max_by_category["activations"] > 0
+    assert (real.max_by_category["master_weights"] > 0) == (variant == "bf16_mixed")
+
+
+def test_find_batch_at_on_affine_and_curved_peaks():
+    calls = []
+
+    def affine(b):
+        calls.append(b)
+        return 1000 + 37 * b
+
+    start = {8: affine(8), 16: affine(16)}
+    b = clip.find_batch_at(affine, start, 10_000)
+    assert b == (10_000 - 1000) // 37 and len(calls) <= 3
+
+    def curved(b):  # the contrastive logits grow as b^2
+        return 1000 + 37 * b + 3 * b * b
+
+    b = clip.find_batch_at(curved, {8: curved(8), 16: curved(16)}, 1e7)
+    assert curved(b) <= 1e7 < curved(b + 1)
+    with pytest.raises(ValueError, match="needs more than"):
+        clip.find_batch_at(affine, {8: affine(8), 16: affine(16)}, 100)
+
+
+def test_memory_sweep_finds_the_batch_at_the_target():
+    config = load_config(clip.post_config_path())
+    sweep = clip.memory_sweep(["small"], [16, 64], config, baselines=["bf16_mixed"], target_gb=0.004, small=TINY)
+    b = sweep.at_target["small", "bf16_mixed"]
+    assert sweep.peak("small", "bf16_mixed", b) <= 0.004e9
+    assert clip.StepMeter(TINY, "bf16_mixed", config, fake=True)(b + 1).peak_bytes > 0.004e9
+    assert ("small", "post", b) in sweep.points and 0 < sweep.reduction("small", "bf16_mixed") < 1
+    m = sweep.metrics()
+    assert m["memory_reduction"] == sweep.reduction("small", "bf16_mixed") and m["small_batch_at_target"] == b
+    assert "*" in sweep.table()
+
+
+def test_retrieval_counts_captions_of_equal_scenes_as_hits():
+    class Split:  # 4 pairs; items 2 and 3 are the same scene
+        images = torch.zeros(4, 3, 2, 2, dtype=torch.uint8)
+        tokens = torch.zeros(4, 3, dtype=torch.long)
+        scene_ids = torch.tensor([0, 1, 2, 2])
+
+        def __len__(self):
+            return 4
+
+    image_features = torch.eye(4)
+    text_features = torch.tensor([[0.6, 1, 0, 0], [1, 0.6, 0, 0], [0, 0, 0.1, 1], [0, 0, 1, 0.1]])
+
+    class Model(torch.nn.Module):
+        def forward(self, x, t):
+            n = len(x)
+            return image_features[:n], text_features[:n], torch.tensor(1.0)
+
+    r = clip.retrieval(Model(), Split(), batch_size=4, dtype=torch.float32, ks=(1, 2))
+    # image 0's best text is text 1 (a miss), its second text 0; image 2 -> text 3 (same scene: a hit)
+    assert r["i2t_r1"] == 0.5 and r["i2t_r2"] == 1.0 and r["t2i_r1"] == 0.5
+    assert math.isfinite(r["loss"])
+
+
+def test_seed_interval():
+    mean, lo, hi = clip.seed_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and math.isclose(hi - mean, 2.920 / math.sqrt(3)) and math.isclose(mean - lo, hi - mean)
+    assert clip.seed_interval([0.5]) == (0.5, 0.5, 0.5)
+
+
+def test_train_small_runs_both_variants_on_the_same_batches(tmp_path, monkeypatch):
+    monkeypatch.setenv("MACROARCH_DATA", str(tmp_path))
+    data = clip.shapes_data(64, image_size=16)
+    cfg = clip.small_clip_config(data.vocab_size, data.context_length, 16, 8, 32, 2, 1)
+    params = dict(compute_dtype="float32", device="cpu", steps=4, batch_size=16, warmup_steps=1, eval_every=2, seeds=1)
+    result = clip.train_small(data, cfg, load_config(clip.post_config_path()), params)
+    base, post = result.logs[0, "fp32"].losses, result.logs[0, "post"].losses
+    assert len(base) == len(post) == 4
+    assert abs(base[0] - post[0]) < 0.05 * base[0]  # the same weights (post's packed) on the same first batch
+    assert [s for s, _ in result.curves[0, "post"]] == [2, 4]
+    m = result.metrics()
+    assert m["retrieval_gap"] == m["retrieval_gap_lo"] == m["retrieval_gap_hi"]
+    assert 0 <= m["post_recall1"] <= 1 and m["step_time_ratio"] > 0
+    assert "held-out" in result.table()
+
+
+@pytest.mark.parametrize("reduction, gap_lo, grade", [
+    (0.40, 0.0, REPRODUCED), (0.40, 0.05, PARTIALLY), (0.12, -0.01, PARTIALLY), (0.01, 0.0, NOT_REPRODUCED),
+    (-0.1, 0.0, CONTRADICTED),
+])
+def test_c15_grading(reduction, gap_lo, grade):
+    m = {"memory_reduction": reduction, "retrieval_gap": gap_lo + 0.01, "retrieval_gap_lo": gap_lo}
+    assert get_claim("C15").grade(m, scale="test").grade == grade
