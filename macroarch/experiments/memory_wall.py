@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
+import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
@@ -89,7 +90,7 @@ def analytic_accounting(spec: ModelSpec, precisions: list[str], batch_size: int,
     return Accounting(
         spec, device, parameter_count(spec), {p: training_state_bytes(spec, p) for p in precisions},
         {p: activation_bytes(spec, batch_size, seq_len, p, device_type="cuda")["total"] for p in precisions},
-        {p: activation_bytes(spec, batch_size, seq_len, p, device_type=device)["total"] for p in precisions},
+        {p: activation_bytes(spec, batch_size, seq_len, p, device_type=torch.device(device).type)["total"] for p in precisions},
         korthikanti_activation_bytes(spec, batch_size, seq_len),
     )
 
@@ -154,7 +155,7 @@ def measure_steps(spec: ModelSpec, precisions: list[str], batch_size: int, seq_l
     reports = {p: measure_training_step(spec, batch_size, seq_len, p, fake=True, device=device)
                for p in tqdm(precisions, desc="fake-tensor training steps", mininterval=5)}
     return Measured(spec, reports, {p: training_state_bytes(spec, p) for p in precisions},
-                    {p: activation_bytes(spec, batch_size, seq_len, p, device_type=device)["total"]
+                    {p: activation_bytes(spec, batch_size, seq_len, p, device_type=torch.device(device).type)["total"]
                      for p in precisions})
 
 
