@@ -90,7 +90,8 @@ def analytic_accounting(spec: ModelSpec, precisions: list[str], batch_size: int,
     return Accounting(
         spec, device, parameter_count(spec), {p: training_state_bytes(spec, p) for p in precisions},
         {p: activation_bytes(spec, batch_size, seq_len, p, device_type="cuda")["total"] for p in precisions},
-        {p: activation_bytes(spec, batch_size, seq_len, p, device_type=torch.device(device).type)["total"] for p in precisions},
+        {p: activation_bytes(spec, batch_size, seq_len, p, device_type=torch.device(device).type)["total"]
+         for p in precisions},
         korthikanti_activation_bytes(spec, batch_size, seq_len),
     )
 
