@@ -241,6 +241,7 @@ class DGROptimizer(torch.optim.Optimizer):
         self._norm_sq = 0.0  # squared gradient norms of the groups updated in this step
         self.track_grad_norm = False  # measure each group's gradient norm as it steps (grad_norm())
         self.skipped_nonfinite = 0
+        self.step_was_skipped = False  # whether the last step() skipped the update (LR schedulers may hold back)
         ref = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: _on_grad_ready(ref, p))
                          for p in self._group_of]
@@ -266,6 +267,7 @@ class DGROptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_was_skipped = False
         if 0 < self._micro < self.config.accumulation_steps:
             return loss
         if loss is not None:
@@ -278,6 +280,7 @@ class DGROptimizer(torch.optim.Optimizer):
         return loss
 
     def _end_step(self) -> None:
+        self.step_was_skipped = self._poisoned
         self._free_released()
         self._done.clear()
         self._micro = 0

@@ -30,9 +30,10 @@ removed and added back by state-dict hooks; missing/unexpected keys are reported
 
 One optimizer per wrapper: ``optimizer()`` called again closes the previous one (removes its hooks).
 
-The schedule is ``wrapper.pipeline_config`` (a ``PipelineConfig``). ``wrapper.config`` is the wrapped model's
-own ``config`` (HF models), so code that reads or sets ``model.config`` (``transformers.Trainer``) works
-on the wrapper as on the model; likewise ``accepts_loss_kwargs``. With HF Trainer use
+The schedule is ``wrapper.pipeline_config`` (a ``PipelineConfig``). Attributes the wrapper does not have are
+read from the wrapped model (``wrapper.config`` is the model's ``config``, likewise ``loss_type``,
+``save_pretrained`` ...), so code that reads or sets ``model.config`` (``transformers.Trainer``) works on the
+wrapper as on the model; ``accepts_loss_kwargs`` follows the wrapped forward. With HF Trainer use
 ``macroarch.integrations.MacroTrainer``, which keeps ``max_grad_norm``, gradient accumulation and the LR
 schedule right, logs the real gradient norm, and saves the wrapped model.
 
@@ -168,15 +169,16 @@ class DGRWrapper(nn.Module):
                                        **optimizer_kwargs)
         return self._optimizer
 
-    @property
-    def config(self) -> Any:
-        """The wrapped model's ``config`` (HF models); AttributeError if it has none. The DGR schedule is
-        ``pipeline_config``."""
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as any module; then the wrapped model's attributes (``config``,
+        ``loss_type``, ``save_pretrained`` ...), so code written for the model (``transformers.Trainer``) reads
+        them through the wrapper."""
         try:
-            return self.module.config
+            return super().__getattr__(name)
         except AttributeError:
-            raise AttributeError(f"the wrapped {type(self.module).__name__} has no config; DGR's own settings are "
-                                 "wrapper.pipeline_config") from None
+            if name == "module":  # not set yet (during __init__)
+                raise
+            return getattr(self.module, name)
 
     @property
     def accepts_loss_kwargs(self) -> bool:

@@ -301,8 +301,19 @@ def _e2m1_byte_table(device: torch.device) -> torch.Tensor:
 
 
 def _decode_e2m1(payload: torch.Tensor, numel: int) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # traced: arithmetic, as a table would be captured as a (fake) constant
+        return _decode_e2m1_arithmetic(payload, numel)
     table = _e2m1_byte_table(payload.device) if not _is_fake(payload) else torch.zeros(256, 2, device=payload.device)
     return table[payload.long()].reshape(-1)[:numel]
+
+
+def _decode_e2m1_arithmetic(payload: torch.Tensor, numel: int) -> torch.Tensor:
+    """The byte table's values computed from the codes: magnitude code 2e + m is m / 2 for e = 0, else
+    2^(e - 1) * (1 + m / 2); bit 3 the sign (code 8 is -0.0, as in the table)."""
+    codes = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1)[:numel].to(torch.int32)
+    e, m = (codes & 7) >> 1, (codes & 1).to(torch.float32)
+    magnitude = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).to(torch.float32)) * (1.0 + 0.5 * m))
+    return torch.where(codes >= 8, -magnitude, magnitude)
 
 
 # ------------------------------------------------------------------------------------------------ pack

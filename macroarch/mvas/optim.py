@@ -94,6 +94,7 @@ class MVASAdamW(torch.optim.Optimizer):
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
         self._generators: dict[torch.device, torch.Generator] = {}
         self.skipped_nonfinite = 0  # steps skipped for an inf/NaN gradient or loss
+        self.step_was_skipped = False  # whether the last step() skipped (LR schedulers may hold back)
 
     # ------------------------------------------------------------------------------------------- storage
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -166,7 +167,9 @@ class MVASAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or not all_finite(grads):
+        self.step_was_skipped = (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or (
+            not all_finite(grads))
+        if self.step_was_skipped:
             self.skipped_nonfinite += 1
             return loss
         for group in self.param_groups:

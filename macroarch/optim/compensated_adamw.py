@@ -152,6 +152,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         self._guard_seen = 0 if spike_guard is None else spike_guard.observations
         self._snapshots: collections.deque[dict[int, torch.Tensor]] = collections.deque()
         self.updated = False  # whether the last step() updated (for LR schedulers under accumulation)
+        self.step_was_skipped = False  # whether the last step() was an update that was skipped
         self.stats = {"updates": 0, "skipped_nonfinite": 0, "skipped_spike": 0, "due_elements": 0,
                       "lost_elements": 0, "stalled_elements": 0}
 
@@ -194,6 +195,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         for p in self._params():
             self.state.get(p, {}).pop("grad_accum", None)
         self._micro, self._unscaled, self._bad_loss, self.updated = 0, False, False, False
+        self.step_was_skipped = True
         if self.spike_guard is not None:
             self._guard_seen = self.spike_guard.observations
         if self._snapshots:
@@ -225,7 +227,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
             if not all_finite([torch.as_tensor(loss).detach()]):
                 self._bad_loss = True
         self._micro += 1
-        self.updated = False
+        self.updated = self.step_was_skipped = False
         if self._micro < self.accumulation_steps:
             for p in self._params():
                 if p.grad is not None:
@@ -339,6 +341,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if nonfinite:
             self.stats["skipped_nonfinite"] += 1
         w_then = self._snapshots.popleft() if self._snapshots else None
+        self.step_was_skipped = skip or nonfinite
         if skip or nonfinite or not grads:
             return
         lr_factor = 1.0 if self.spike_guard is None else self.spike_guard.lr_factor

@@ -62,6 +62,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.master_dtype = master_dtype
         self.skipped_nonfinite = 0
+        self.step_was_skipped = False  # whether the last step() skipped (LR schedulers may hold back)
         for group in self.param_groups:
             for p in group["params"]:
                 self.state[p] = {
@@ -96,7 +97,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or not all_finite(grads):
+        self.step_was_skipped = (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or (
+            not all_finite(grads))
+        if self.step_was_skipped:
             self.skipped_nonfinite += 1
             return loss
         for group in self.param_groups:

@@ -1,0 +1,217 @@
+"""MVAS, DGR and the optimizers of this package inside HF ``Trainer`` (and so accelerate).
+
+What needs nothing from here:
+
+- **MVAS** works with a plain ``transformers.Trainer`` and with accelerate: pass the optimizer,
+  ``Trainer(..., optimizers=(MVASAdamW(model.parameters(), lr=...), None))`` or
+  ``optimizer_cls_and_kwargs=(MVASAdamW, {...})``; Trainer's default optimizer (torch's AdamW), like any
+  optimizer that cannot write packed weights, raises a ``TypeError`` naming ``MVASAdamW`` at its first step.
+  ``model.save_pretrained`` / ``Trainer.save_model`` write dense weights in the training dtype (the values the
+  model computes with), so ``from_pretrained`` on a plain model gives the same logits; ``save_pretrained(model,
+  dir, packed=True)`` here writes the packed form, which only ``from_pretrained`` here reads.
+- **accelerate**: ``accelerator.prepare(model, optimizer, ...)`` and ``accelerator.accumulate(model)`` work with
+  MVAS models and ``MVASAdamW``, and with ``DGRWrapper`` built with ``accumulation_steps`` equal to the
+  accelerator's ``gradient_accumulation_steps``.
+
+What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assumes that gradients exist until
+``optimizer.step()`` and that the optimizer neither scales the loss nor skips steps:
+
+- **DGR** (the model is a ``DGRWrapper``, or the optimizer a ``DGROptimizer``): groups step during backward and
+  free their gradients, so Trainer's own clipping and gradient norm see nothing (it logs 0 and
+  ``max_grad_norm`` does nothing). Here DGR's accumulation follows ``gradient_accumulation_steps``,
+  ``max_grad_norm`` becomes DGR's per-group clipping norm (deviation: per group, not global, since a global
+  norm needs every gradient before the first update), and the logged ``grad_norm`` is the norm of the whole
+  gradient before clipping, assembled from the groups as they stepped. Without an optimizer, the DGR optimizer
+  is built with Trainer's optimizer class and settings (one weight decay for all, no per-parameter groups).
+  The loss of every micro-batch is shown to the DGR optimizer, so a non-finite one skips the step.
+- **CompensatedAdamW**: the loss is scaled by its ``grad_scale`` before backward, gradients are unscaled before
+  Trainer clips them (so ``max_grad_norm`` and the logged norm are the true gradient's), its spike guard sees
+  every micro-batch's loss, and its ``accumulation_steps`` must be 1: Trainer accumulates
+  (``gradient_accumulation_steps``), and two accumulations would update once per ``k * k`` micro-batches
+  while the LR schedule advanced ``k`` times (use ``master_weights=True`` for fp32 masters).
+- **skipped steps** (a non-finite gradient or loss, a spike-guard skip) do not advance the LR schedule, as
+  Trainer does for fp16 overflows.
+- ``Trainer(model=DGRWrapper(...))`` also needs the wrapped model's forward signature (to keep dataset
+  columns) and saving the wrapped model; both are done here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.utils import find_labels
+
+from macroarch.dgr import DGROptimizer, DGRWrapper
+from macroarch.mvas.checkpoint import PACKED_WEIGHTS_NAME, load_packed, save_packed
+from macroarch.mvas.store import MVASStore
+from macroarch.optim import CompensatedAdamW
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's ``AcceleratedOptimizer`` (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def step_was_skipped(optimizer: Any) -> bool:
+    """Whether the optimizer's last ``step()`` skipped its update (non-finite values, a spike guard)."""
+    return bool(getattr(_unwrap_optimizer(optimizer), "step_was_skipped", False))
+
+
+class _SkipAwareSchedule:
+    """An LR scheduler that does not advance when the optimizer skipped its step; everything else delegated."""
+
+    def __init__(self, scheduler: Any, trainer: Trainer) -> None:
+        self.scheduler, self._trainer = scheduler, trainer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if not step_was_skipped(self._trainer.optimizer):
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+class MacroTrainer(Trainer):
+    """``transformers.Trainer`` that keeps DGR and ``CompensatedAdamW`` right (module docstring). Same arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._configured: Any = None
+        wrapper = self._dgr_wrapper()
+        if wrapper is not None and self.args.label_names is None:
+            self.label_names = find_labels(type(wrapper.module))  # Trainer read them from the wrapper's class
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _dgr_wrapper(self) -> DGRWrapper | None:
+        model = self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+        return model if isinstance(model, DGRWrapper) else None
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        wrapper = self._dgr_wrapper()
+        if self.optimizer is None and wrapper is not None:
+            cls, kwargs = (self.optimizer_cls_and_kwargs if self.optimizer_cls_and_kwargs is not None
+                           else self.get_optimizer_cls_and_kwargs(self.args, wrapper.module))
+            self.optimizer = wrapper.optimizer(cls, **{"weight_decay": self.args.weight_decay, **kwargs})
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(scheduler, _SkipAwareSchedule):
+            self.lr_scheduler = _SkipAwareSchedule(scheduler, self)
+        return self.lr_scheduler
+
+    def _configure(self) -> Any:
+        """Once, before the first backward: fit the optimizer to Trainer's accumulation and clipping."""
+        opt = _unwrap_optimizer(self.optimizer)
+        if self._configured is opt:
+            return opt
+        k = self.args.gradient_accumulation_steps
+        if isinstance(opt, DGROptimizer):
+            opt.config = replace(opt.config, accumulation_steps=k)
+            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                for group in opt.param_groups:
+                    if group["max_grad_norm"] is None:
+                        group["max_grad_norm"] = self.args.max_grad_norm
+            opt.track_grad_norm = True
+        if isinstance(opt, CompensatedAdamW) and opt.accumulation_steps != 1:
+            raise ValueError(
+                f"CompensatedAdamW(accumulation_steps={opt.accumulation_steps}) under Trainer: Trainer accumulates "
+                f"gradients itself (gradient_accumulation_steps={k}), so the optimizer would update once per "
+                f"{opt.accumulation_steps * k} micro-batches while the LR schedule advances once per {k}. Build it "
+                "with accumulation_steps=1 (master_weights=True for fp32 master weights) and set "
+                "TrainingArguments(gradient_accumulation_steps=...)")
+        if not isinstance(self.lr_scheduler, _SkipAwareSchedule) and self.lr_scheduler is not None:
+            self.lr_scheduler = _SkipAwareSchedule(self.lr_scheduler, self)
+        self._configured = opt
+        return opt
+
+    # --------------------------------------------------------------------------------------- training
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """Trainer's step, with the loss shown to the optimizer (and scaled by it) just before backward."""
+        opt = self._configure()
+        if not isinstance(opt, DGROptimizer | CompensatedAdamW):
+            return super().training_step(model, inputs, num_items_in_batch)
+        backward = self.accelerator.backward
+
+        def backward_seen(loss: torch.Tensor, **kwargs: Any) -> None:
+            if isinstance(opt, DGROptimizer):
+                opt.observe_loss(loss)
+                return backward(loss, **kwargs)
+            if opt.spike_guard is not None:
+                opt.spike_guard.observe(loss)
+            return backward(opt.scale_loss(loss), **kwargs)
+
+        self.accelerator.backward = backward_seen  # this call only; the method comes back below
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            del self.accelerator.backward
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        opt = _unwrap_optimizer(self.optimizer)
+        if isinstance(opt, DGROptimizer):
+            return opt.grad_norm()  # clipped per group as each stepped (in backward)
+        if isinstance(opt, CompensatedAdamW):
+            opt.unscale_()
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        opt = _unwrap_optimizer(self.optimizer)
+        if isinstance(opt, DGROptimizer):
+            return opt.grad_norm() if grad_norm is None else grad_norm
+        if isinstance(opt, CompensatedAdamW) and grad_norm is None:
+            opt.unscale_()
+        return super()._get_grad_norm(model, grad_norm)
+
+    # ------------------------------------------------------------------------------- DGRWrapper as model
+    def _set_signature_columns_if_needed(self) -> None:
+        wrapper = self._dgr_wrapper()
+        if self._signature_columns is None and wrapper is not None:
+            self._signature_columns = list(inspect.signature(wrapper.module.forward).parameters)
+            self._signature_columns += list({"label", "label_ids", *self.label_names})
+        super()._set_signature_columns_if_needed()
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        wrapper = self._dgr_wrapper()
+        if wrapper is None:
+            return super()._save(output_dir, state_dict)
+        model, self.model = self.model, wrapper.module  # save what the wrapper wraps, under its own names
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.model = model
+
+
+def save_pretrained(model: Any, directory: str | os.PathLike, *, packed: bool = False, **kwargs: Any) -> None:
+    """Save an HF model under MVAS: dense weights in the training dtype (``model.save_pretrained``, loadable by
+    any ``from_pretrained``), or with ``packed=True`` its config plus the packed weights (``save_packed``) under
+    ``PACKED_WEIGHTS_NAME``, which a dense ``from_pretrained`` refuses (no weights file it knows) and
+    ``from_pretrained`` below restores exactly."""
+    if not packed:
+        model.save_pretrained(directory, **kwargs)
+        return
+    os.makedirs(directory, exist_ok=True)
+    model.config.save_pretrained(directory)
+    save_packed(model, os.path.join(os.fspath(directory), PACKED_WEIGHTS_NAME))
+
+
+def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, MVASStore]:
+    """A model saved by ``save_pretrained(..., packed=True)``: built from its config (``model_cls``, e.g.
+    ``LlamaForCausalLM``) in the saved dtype, put under the checkpoint's plan, weights restored bit for bit.
+    Returns ``(model, store)``."""
+    config = model_cls.config_class.from_pretrained(directory)
+    model = model_cls(config)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype):
+        model.to(dtype)
+    store = load_packed(model, os.path.join(os.fspath(directory), PACKED_WEIGHTS_NAME))
+    return model, store
