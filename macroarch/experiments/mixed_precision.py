@@ -221,9 +221,16 @@ class Sizes:
         """What the run's config records beside the parameters."""
         return {"steps_run": self.steps, "scaling_steps_run": self.scaling_steps, "bf16_emulated": self.emulated}
 
+    requested: tuple[int, int] = (0, 0)
+    """The profile's ``(steps, scaling_steps)``."""
+
+    @property
+    def shrunk(self) -> bool:
+        return (self.steps, self.scaling_steps) != self.requested
+
     def describe(self) -> str:
-        if not self.emulated:
-            return f"bf16 native ({self.machine}): the profile's sizes"
+        if not self.shrunk:
+            return f"{self.machine}: the profile's sizes"
         return (f"bf16 emulated on this CPU ({self.machine}): runs shrunk to {self.steps} accumulation and "
                 f"{self.scaling_steps} loss-scaling updates (emulated_steps) to finish in the notebook's budget")
 
@@ -237,7 +244,7 @@ def run_sizes(params: Mapping[str, Any], info: Mapping[str, Any] | None = None) 
     steps, scaling = params["steps"], params["scaling_steps"]
     if cap is not None:
         steps, scaling = min(steps, cap), min(scaling, cap)
-    return Sizes(steps, scaling, emulated, describe(dict(info)))
+    return Sizes(steps, scaling, emulated, describe(dict(info)), (params["steps"], params["scaling_steps"]))
 
 
 @dataclass
@@ -475,7 +482,7 @@ def verdict_texts(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunR
              f"{s.sizes.steps} AdamW updates of {p['batch_size']}x{p['seq_len']} bytes at lr {p['lr']:g}, "
              f"accumulation {p['accumulation']}, weights in {' and '.join(p['dtypes'])}; loss scaling: fp16 "
              f"autocast, {s.sizes.scaling_steps} updates; {s.sizes.machine}"
-             + (f" (bf16 emulated: shrunk from {p['steps']}/{p['scaling_steps']} updates)" if s.sizes.emulated
+             + (f" (shrunk from {p['steps']} and {p['scaling_steps']} updates: emulated_steps)" if s.sizes.shrunk
                 else ""))
     measured = (f"{graded} master-copy loss gain {gain_high:+.4f} at k >= 4 vs {gain_low:+.4f} at k < 4 "
                 f"(noise {noise:.4f}); lost updates without master {lost:.1%}; GradScaler/rule loss ratio "

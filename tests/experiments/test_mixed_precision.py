@@ -86,18 +86,19 @@ def test_runs_shrink_only_where_bf16_is_emulated():
     emulated = mp.run_sizes(params, info)
     assert (emulated.steps, emulated.scaling_steps, emulated.emulated) == (60, 60, True)
     assert emulated.config() == {"steps_run": 60, "scaling_steps_run": 60, "bf16_emulated": True}
-    assert "shrunk to 60" in emulated.describe() and "AVX2" in emulated.describe()
+    assert emulated.shrunk and "shrunk to 60" in emulated.describe() and "AVX2" in emulated.describe()
     native = mp.run_sizes(params, dict(info, cpu_capability="AVX512", native_bf16=True))
     assert (native.steps, native.scaling_steps, native.emulated) == (200, 150, False)
     gpu = mp.run_sizes(dict(params, device="cuda"), info)  # a GPU's bf16 is not the CPU's question
     assert (gpu.steps, gpu.scaling_steps, gpu.emulated) == (200, 150, False)
     small = mp.run_sizes(dict(params, steps=6, scaling_steps=6), info)  # never grows
-    assert (small.steps, small.scaling_steps) == (6, 6)
+    assert (small.steps, small.scaling_steps, small.shrunk) == (6, 6, False)
+    assert not native.shrunk and "the profile's sizes" in native.describe()
 
 
 def _setup(initial_loss=6.0):
     params = dict(dtypes=["bf16", "fp16"], accumulation=[1, 2, 4, 8])
-    return mp.Setup(params, mp.Sizes(10, 10, False, "test"), None, [], [], 1000, initial_loss)
+    return mp.Setup(params, mp.Sizes(10, 10, False, "test", (10, 10)), None, [], [], 1000, initial_loss)
 
 
 def _result(loss, diverged=False, lost=0.1):
