@@ -291,6 +291,55 @@ def _rule_c11(claim: Claim, m: Mapping[str, float]) -> tuple[str, str]:
     return combine(grades), "; ".join(why)
 
 
+def _rule_c12(claim: Claim, m: Mapping[str, float]) -> tuple[str, str]:
+    """C12: the peak-memory reduction of MVAS + DGR at the stated crop (``memory_reduction``) against 55%, graded by
+    the target; the reductions at the other crops measured (``memory_reduction_<crop>``) go in the explanation."""
+    t = claim.targets[0]
+    x = float(m[t.metric])
+    crops = sorted(int(k.rsplit("_", 1)[1]) for k in m if k.startswith("memory_reduction_") and k[17:].isdigit())
+    per_crop = ", ".join(f"{c}: {float(m[f'memory_reduction_{c}']):.0%}" for c in crops)
+    return t.grade(x), (f"reduction by crop {per_crop}" if per_crop else "")
+
+
+def _per_budget(m: Mapping[str, float], prefix: str) -> list[tuple[str, float]]:
+    """``(budget, value)`` of every metric ``<prefix><budget>gb``, in increasing budget."""
+    found = [(k[len(prefix):-2], float(v)) for k, v in m.items() if k.startswith(prefix) and k.endswith("gb")]
+    return sorted(found, key=lambda kv: float(kv[0]))
+
+
+def _rule_c13(claim: Claim, m: Mapping[str, float]) -> tuple[str, str]:
+    """C13: the batch growth (largest batch with MVAS + DGR over the largest without) at every budget measured
+    (``batch_growth_<N>gb``), each graded by the 4x target (at least 3.8x; under 1.3x counts as no effect, below
+    1x contradicts), combined; ``batch_growth`` alone when no budget is broken out."""
+    t = claim.targets[0]
+    cells = _per_budget(m, "batch_growth_") or [("", float(m[t.metric]))]
+    grades = [t.grade(x) for _, x in cells]
+    return combine(grades), "; ".join(f"{b} GB: {x:.2f}x {g}" if b else f"{x:.2f}x {g}"
+                                      for (b, x), g in zip(cells, grades))
+
+
+def _rule_c14(claim: Claim, m: Mapping[str, float]) -> tuple[str, str]:
+    """C14: per model and budget, the longest clip with the techniques (``max_frames_<model>_<N>gb``) against 128
+    frames and against the baseline's (``baseline_frames_<model>_<N>gb``): reaching 128 is reproduced (the note
+    says when the baseline reaches it too, i.e. the techniques are not what makes it fit); short of 128 but longer
+    than the baseline's is partially; no longer is not reproduced; shorter is contradicted. Combined over cells;
+    ``max_frames`` alone when no cell is broken out."""
+    t = claim.targets[0]
+    cells = sorted(k[len("max_frames_"):] for k in m if k.startswith("max_frames_") and k.endswith("gb"))
+    if not cells:
+        return t.grade(float(m[t.metric])), ""
+    grades, why = [], []
+    for cell in cells:
+        x, base = float(m[f"max_frames_{cell}"]), float(m.get(f"baseline_frames_{cell}", 0.0))
+        if t.met(x):
+            g = REPRODUCED
+        else:
+            g = PARTIALLY if x > base else (CONTRADICTED if x < base else NOT_REPRODUCED)
+        grades.append(g)
+        why.append(f"{cell}: {x:.0f} frames (baseline {base:.0f}){' - baseline also >= 128' if t.met(base) else ''}")
+    return combine(grades), "; ".join(why)
+
+
 # --- the registry ---------------------------------------------------------------------------------------
 
 def _c(id, section, statement, notebook, measures, *targets, rule=None) -> Claim:
@@ -382,13 +431,16 @@ CLAIMS: dict[str, Claim] = {c.id: c for c in (
        rule=_rule_c11),
     _c("C12", "6", "AlphaFold2-style models need 55% less memory.", "10_applications",
        "memory of an Evoformer-style block stack with and without the techniques",
-       Target("memory_reduction", "value", 0.55, rel_tol=0.1, null=0.0, text="memory -55%")),
+       Target("memory_reduction", "value", 0.55, rel_tol=0.1, null=0.0, text="memory -55%"),
+       rule=_rule_c12),
     _c("C13", "6", "PointNet can train with a 4x larger batch.", "10_applications",
        "largest batch under a fixed memory budget, with and without",
-       Target("batch_growth", "at_least", 4.0, rel_tol=0.05, null=1.0, text="batch 4x")),
+       Target("batch_growth", "at_least", 4.0, rel_tol=0.05, null=1.0, text="batch 4x"),
+       rule=_rule_c13),
     _c("C14", "6", "Video understanding models reach 128 frames of temporal context.", "10_applications",
        "longest clip under a fixed memory budget for a space-time transformer, with and without",
-       Target("max_frames", "at_least", 128.0, rel_tol=0.0, text="128 frames")),
+       Target("max_frames", "at_least", 128.0, rel_tol=0.0, text="128 frames"),
+       rule=_rule_c14),
     _c("C15", "6", "Joint CLIP image+text training drops from 48 GB to 29 GB with group_size 6, text fp16 and "
        "image fp8 (shallow) / fp16 (deep).", "11_clip",
        "exact memory of a real open_clip model under that policy; quality gap of a small CLIP trained for real",
