@@ -351,6 +351,10 @@ class OpCounter(TorchDispatchMode):
         return sum(2 * math.prod(a[0][:-1]) * a[0][-1] * b[0][-1] * c for (_, a, b, _), c in self.matmuls.items())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from macroarch.mvas.tensor import MVASWeight
+
+        if any(issubclass(t, MVASWeight) for t in types):
+            return NotImplemented  # a packed weight dequantises through plain ops: those come back here, counted
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         if func in _MATMULS:

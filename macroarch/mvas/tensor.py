@@ -47,6 +47,10 @@ FSDP2 (issue 18) extends this type: ``fsdp_pre_all_gather`` returns ``(payload, 
 ``(format, block_size)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and scales in an
 ``MVASWeight`` (dequantised on use as here); dim-0 shards must then be whole blocks of the flat payload.
 
+Dispatch modes (``MemTracker``, op counters) see the outer op with an ``MVASWeight`` argument; one that returns
+``NotImplemented`` for it sees the dequantisation and the dense op instead, as they run (the memory accounting
+of ``macroarch.measure.memory.measured`` does, so the transient dense weight is counted).
+
 Limitations: a weight must be the first argument of a view op to stay packed (other reads are dense); writes
 through a view raise.
 """
@@ -59,6 +63,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from macroarch.mvas.formats import FORMATS, PackedTensor, get_format, pack, write_range
@@ -273,7 +278,9 @@ class MVASWeight(torch.Tensor):
         return MVASWeight(payload, scales, self.format, self.block_size, self._packed_shape, dtype, views)
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> MVASWeight | list[MVASWeight]:
-        meta = func(torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta"), *args, **kwargs)
+        with _disable_current_modes():  # shape arithmetic on meta tensors, not ops of the program (tracers, counters)
+            meta = func(torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta"), *args,
+                        **kwargs)
         if isinstance(meta, torch.Tensor):
             return self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, None)))
         return [self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, i)))
@@ -326,11 +333,12 @@ class _Dense(torch.autograd.Function):
 
 
 def _view_meta(shape: tuple[int, ...], dtype: torch.dtype, views: tuple) -> torch.Tensor:
-    meta = torch.empty(shape, dtype=dtype, device="meta")
-    for func, args, kwargs, index in views:
-        meta = func(meta, *args, **kwargs)
-        if index is not None:
-            meta = meta[index]
+    with _disable_current_modes():
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        for func, args, kwargs, index in views:
+            meta = func(meta, *args, **kwargs)
+            if index is not None:
+                meta = meta[index]
     return meta
 
 

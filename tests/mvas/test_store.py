@@ -91,9 +91,10 @@ def test_memory_tracker_sees_the_planned_bytes_and_at_most_one_dense_weight_more
         else:
             expected_state += 2 * 4 * p.numel()
     assert mem.max_by_category["optimizer_state"] == expected_state
-    # one module's weight is dense while it runs (plus its dequantisation temporary): the only extra bytes
+    # one weight is dense while an op reads it (plus its dequantisation temporary): the only extra bytes, and
+    # MemTracker sees them (it lets the weight's dispatch run under it)
     largest = max(t.numel * 4 for t in plan.tensors if t.name in store.entries)
-    assert 0 <= mem.max_by_category["activations"] - base.max_by_category["activations"] <= 2 * largest
+    assert 0 < mem.max_by_category["activations"] - base.max_by_category["activations"] <= 2 * largest
 
 
 def test_state_dict_round_trips_the_packed_form_exactly():

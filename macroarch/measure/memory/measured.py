@@ -134,6 +134,13 @@ class _CategoryTracker(MemTracker):
         self.phase = "setup"
         self.phases: dict[str, PhasePeak] = {}  # phase -> its peak
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from macroarch.mvas.tensor import MVASWeight
+
+        if any(issubclass(t, MVASWeight) for t in types):
+            return NotImplemented  # the weight dequantises through plain ops, which come back here and are counted
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _category(self, winfo: Any) -> str:
         label = self._labels.get(winfo)
         return label if label is not None else _FROM_MEMTRACKER[winfo.reftype]
