@@ -252,6 +252,13 @@ class Sweep:
         """(seeds, multipliers) held-out losses."""
         return np.stack([self.losses(stack, warm, m) for m in self.params["lr_multipliers"]], axis=1)
 
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per run, for a W&B table that can be re-plotted in the UI."""
+        return [{"stack": stack, "lr_multiplier": mult, "warmup_factor": warm, "seed": seed,
+                 "eval_loss": r.eval_loss, "final_train_loss": r.losses[-1] if r.losses else float("nan"),
+                 "diverged_at": r.diverged_at, "seconds": r.seconds, **r.metrics}
+                for (stack, mult, warm, seed), r in self.results.items()]
+
     def describe(self) -> str:
         p = self.params
         runs = len(p["stacks"]) * len(p["lr_multipliers"]) * len(p["warmup_factors"]) * len(self.seeds)

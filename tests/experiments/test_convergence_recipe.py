@@ -185,3 +185,16 @@ def test_a_diverged_run_is_charged_the_untrained_loss():
     sw = _synthetic_sweep(centers, diverge={("macro", 2.0, 1.3, 1)})
     assert sw.losses("macro", 1.3, 2.0)[1] == 9.0
     assert sw.losses("macro", 1.3, 2.0)[0] == pytest.approx(3.0 + math.log(2.0) ** 2)
+
+
+def test_sweep_rows_hold_every_run_once():
+    centers = {("plain", 1.0): 1.0, ("plain", 1.3): 1.0, ("macro", 1.0): 1.0, ("macro", 1.3): 1.0}
+    sw = _synthetic_sweep(centers, diverge={("macro", 2.0, 1.3, 1)})
+    rows = sw.rows()
+    assert len(rows) == len(sw.results)
+    keys = {(r["stack"], r["lr_multiplier"], r["warmup_factor"], r["seed"]) for r in rows}
+    assert keys == set(sw.results)
+    diverged = [r for r in rows if r["diverged_at"] is not None]
+    assert [(r["stack"], r["lr_multiplier"], r["warmup_factor"], r["seed"]) for r in diverged] == [
+        ("macro", 2.0, 1.3, 1)]
+    assert all(r["spike_triggers"] == (2 if r["stack"] == "macro" and r["seed"] == 0 else 0) for r in rows)
