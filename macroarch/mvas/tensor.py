@@ -57,6 +57,7 @@ through a view raise.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -74,6 +75,7 @@ _SHARE = {aten.detach.default, aten.alias.default, aten.lift_fresh.default}
 _LIKE = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
          "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"}
 _VIEW_LIKE = {aten._unsafe_view.default}  # not flagged as a view, but what reshape of a contiguous tensor is
+_WRITES: dict[Any, bool] = {}  # op -> whether its schema writes any argument
 
 
 def _unaware_message(what: str, weight: MVASWeight) -> str:
@@ -94,13 +96,17 @@ class MVASWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, payload: torch.Tensor, scales: torch.Tensor | None, format: str, block_size: int | None,
-                shape: tuple[int, ...], dtype: torch.dtype, views: tuple = (), requires_grad: bool = False):
-        meta = _view_meta(shape, dtype, views)
-        return torch.Tensor._make_wrapper_subclass(cls, meta.shape, strides=meta.stride(), dtype=dtype,
+                shape: tuple[int, ...], dtype: torch.dtype, views: tuple = (), requires_grad: bool = False,
+                outer: tuple[Any, Any] | None = None):
+        if outer is None:  # (size, stride) of the outer tensor: the packed shape after the views
+            meta = _view_meta(shape, dtype, views)
+            outer = (meta.shape, meta.stride())
+        return torch.Tensor._make_wrapper_subclass(cls, outer[0], strides=outer[1], dtype=dtype,
                                                    device=payload.device, requires_grad=requires_grad)
 
     def __init__(self, payload: torch.Tensor, scales: torch.Tensor | None, format: str, block_size: int | None,
-                 shape: tuple[int, ...], dtype: torch.dtype, views: tuple = (), requires_grad: bool = False) -> None:
+                 shape: tuple[int, ...], dtype: torch.dtype, views: tuple = (), requires_grad: bool = False,
+                 outer: tuple[Any, Any] | None = None) -> None:
         self.payload, self.scales, self.format, self.block_size = payload, scales, format, block_size
         self._packed_shape = tuple(int(s) for s in shape)
         self._views = tuple(views)
@@ -211,7 +217,8 @@ class MVASWeight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: tuple, outer_size: Any, outer_stride: Any):
         fmt, block, shape, dtype, views = ctx
-        return MVASWeight(inner["payload"], inner.get("scales"), fmt, block, shape, dtype, views)
+        return MVASWeight(inner["payload"], inner.get("scales"), fmt, block, shape, dtype, views,
+                          outer=(outer_size, outer_stride))
 
     def _stable_hash_for_caching(self) -> str:
         return repr(self.__tensor_flatten__()[1])
@@ -252,12 +259,12 @@ class MVASWeight(torch.Tensor):
         first = args[0] if args else None
         if isinstance(first, MVASWeight):
             if func in _SHARE:
-                return first._derived(first.payload, first.scales, first.dtype, first._views)
+                return first._derived(first.payload, first.scales, first.dtype, first._views, first)
             if func.is_view or func in _VIEW_LIKE:
                 return first._view(func, args[1:], kwargs)
             if func is aten.clone.default and not first._views:
                 scales = None if first.scales is None else first.scales.clone()
-                return first._derived(first.payload.clone(), scales, first.dtype, ())
+                return first._derived(first.payload.clone(), scales, first.dtype, (), first)
             if func is aten._to_copy.default:
                 moved = first._to_copy(kwargs)
                 if moved is not None:
@@ -266,25 +273,35 @@ class MVASWeight(torch.Tensor):
                 return first._copy_from(args[1])
         if func.overloadpacket.__name__ in _LIKE:
             return func(*tree_map_only(MVASWeight, _shape_only, args), **tree_map_only(MVASWeight, _shape_only, kwargs))
-        for value in _written(func, args, kwargs):
-            if isinstance(value, MVASWeight):
-                raise TypeError(_unaware_message(f"{func} (an in-place write)", value))
+        if _writes(func):
+            for value in _written(func, args, kwargs):
+                if isinstance(value, MVASWeight):
+                    raise TypeError(_unaware_message(f"{func} (an in-place write)", value))
+        if not kwargs and not any(isinstance(a, list | tuple) for a in args):  # the common case, without pytree
+            return func(*(a.dequantize() if type(a) is MVASWeight else a for a in args))
         return func(*tree_map_only(MVASWeight, MVASWeight.dequantize, args),
                     **tree_map_only(MVASWeight, MVASWeight.dequantize, kwargs))
 
     # ------------------------------------------------------------------------------------ dispatch helpers
-    def _derived(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                 views: tuple) -> MVASWeight:
-        return MVASWeight(payload, scales, self.format, self.block_size, self._packed_shape, dtype, views)
+    def _derived(self, payload: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, views: tuple,
+                 like: torch.Tensor) -> MVASWeight:
+        """Another weight on ``payload`` / ``scales`` whose outer size and strides are ``like``'s."""
+        return MVASWeight(payload, scales, self.format, self.block_size, self._packed_shape, dtype, views,
+                          outer=(like.shape, like.stride()))
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> MVASWeight | list[MVASWeight]:
-        with _disable_current_modes():  # shape arithmetic on meta tensors, not ops of the program (tracers, counters)
+        if func is aten.t.default and self.dim() == 2:  # F.linear's, forward and backward: no meta op needed
+            view = (func, args, kwargs, None)
+            return MVASWeight(self.payload, self.scales, self.format, self.block_size, self._packed_shape,
+                              self.dtype, (*self._views, view), outer=(self.shape[::-1], self.stride()[::-1]))
+        with _no_modes():  # shape arithmetic on meta tensors, not ops of the program (tracers, counters)
             meta = func(torch.empty_strided(self.shape, self.stride(), dtype=self.dtype, device="meta"), *args,
                         **kwargs)
         if isinstance(meta, torch.Tensor):
-            return self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, None)))
-        return [self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, i)))
-                for i in range(len(meta))]
+            return self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, None)),
+                                 meta)
+        return [self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, i)), m)
+                for i, m in enumerate(meta)]
 
     def _to_copy(self, kwargs: dict) -> MVASWeight | None:
         """A cast is a view (same storage, another compute dtype); a device move moves the storage; a copy to
@@ -295,13 +312,13 @@ class MVASWeight(torch.Tensor):
             return None
         if device != self.device:
             scales = None if self.scales is None else self.scales.to(device)
-            return self._derived(self.payload.to(device), scales, dtype, self._views)
+            return self._derived(self.payload.to(device), scales, dtype, self._views, self)
         if dtype != self.dtype:
-            return self._derived(self.payload, self.scales, dtype, self._views)
+            return self._derived(self.payload, self.scales, dtype, self._views, self)
         if self._views:
             return None
         scales = None if self.scales is None else self.scales.clone()
-        return self._derived(self.payload.clone(), scales, dtype, ())
+        return self._derived(self.payload.clone(), scales, dtype, (), self)
 
     def _copy_from(self, src: Any) -> MVASWeight:
         self._writable()
@@ -332,8 +349,13 @@ class _Dense(torch.autograd.Function):
         return grad
 
 
+def _no_modes() -> Any:
+    """Dispatch modes off (only when some are on: entering the context costs more than the meta ops)."""
+    return _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+
+
 def _view_meta(shape: tuple[int, ...], dtype: torch.dtype, views: tuple) -> torch.Tensor:
-    with _disable_current_modes():
+    with _no_modes():
         meta = torch.empty(shape, dtype=dtype, device="meta")
         for func, args, kwargs, index in views:
             meta = func(meta, *args, **kwargs)
@@ -344,6 +366,12 @@ def _view_meta(shape: tuple[int, ...], dtype: torch.dtype, views: tuple) -> torc
 
 def _shape_only(weight: MVASWeight) -> torch.Tensor:
     return torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype, device=weight.device)
+
+
+def _writes(func: Any) -> bool:
+    if func not in _WRITES:
+        _WRITES[func] = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+    return _WRITES[func]
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
