@@ -36,7 +36,7 @@ def _compiled_run(managed, steps):
     compiled = torch.compile(model, backend=counting)
     with torch.no_grad():
         eager = float(model(input_ids=IDS, labels=IDS).loss)
-    losses, start, two_steps = [], time.perf_counter(), None
+    losses, start, two_steps = [], time.process_time(), None  # CPU time: other processes on the machine do not count
     for step in range(steps):
         loss = compiled(input_ids=IDS, labels=IDS).loss
         loss.backward()
@@ -44,7 +44,7 @@ def _compiled_run(managed, steps):
         opt.zero_grad()
         losses.append(float(loss))
         if step == 1:
-            two_steps = time.perf_counter() - start
+            two_steps = time.process_time() - start
     return losses, eager, len(graphs), two_steps
 
 
