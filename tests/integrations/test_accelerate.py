@@ -43,7 +43,7 @@ def _run(variant, rounding="stochastic"):
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, model
 
 

@@ -42,7 +42,7 @@ def _compiled_run(managed, steps):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step == 1:
             two_steps = time.process_time() - start
     return losses, eager, len(graphs), two_steps

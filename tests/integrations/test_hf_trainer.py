@@ -59,7 +59,7 @@ def test_mvas_default_optimizer_raises_and_mvas_adamw_trains_like_the_dense_mode
     dense = _losses(_train(_model(), tmp_path))
     for kwargs in (lambda m: dict(optimizers=(mvas.MVASAdamW(m.parameters(), lr=1e-2, seed=0), None)),
                    lambda m: dict(optimizer_cls_and_kwargs=(mvas.MVASAdamW, dict(lr=1e-2, seed=0)),
-                                  args=_args(tmp_path, gradient_checkpointing=True))):  # HF's checkpointing
+                                  args=_args(tmp_path, activation_checkpointing=True))):  # HF's checkpointing
         model = _model(managed=True)
         losses = _losses(_train(model, tmp_path, **kwargs(model)))
         assert losses[-1] < losses[0] - 1.0
