@@ -212,7 +212,8 @@ def malformed_cases(path: str | Path | None = None) -> dict[str, dict]:
 
 def check_malformed(cases: Mapping[str, Mapping], build: Callable[[], tuple[torch.nn.Module, Callable]]) -> str:
     """Each case through ``compose.apply`` on a fresh model: the error, and whether the model is untouched (same
-    tensors, plain parameters) and still trains (a backward pass). Raises if any case is accepted."""
+    tensors, plain parameters) and still trains (a backward pass). Raises if a case is accepted, or leaves the
+    model changed or unable to train."""
     rows = [["case", "error", "untouched", "trains"]]
     for name, mapping in cases.items():
         model, loss = build()
@@ -229,6 +230,8 @@ def check_malformed(cases: Mapping[str, Mapping], build: Callable[[], tuple[torc
         loss(model).backward()
         trains = all(p.grad is not None for p in model.parameters() if p.requires_grad)
         rows.append([name, error, untouched, trains])
+        if not (untouched and trains):
+            raise AssertionError(f"malformed config {name!r} left the model changed or unusable:\n{format_table(rows)}")
     return format_table(rows)
 
 
@@ -411,16 +414,19 @@ def plot_memory(sweep: MemorySweep) -> Figure:
                        hatch="//" if v == "post" else None,
                        label=c.replace("_", " ") if j == 0 and m == models[0] else None)
                 bottom += vals
-        for gb, text in ((POST_BASELINE_GB, "48 GB"), (POST_CONFIG_GB, "29 GB")):
+        target = sweep.target_bytes / GB
+        for gb, text in ((target, f"target {target:g} GB (post: 48)"),
+                         (target * POST_CONFIG_GB / POST_BASELINE_GB, "post's -40% (29 of 48)")):
             ax.axhline(gb, color="k", ls=":", lw=0.8)
             ax.text(-0.45, gb, text, fontsize=7, va="bottom")
-        ax.set_xticks(np.arange(len(batches)), [str(b) for b in batches])
-        ax.set(title=f"{m} ({sweep.n_params[m] / 1e6:.0f}M params)", xlabel="batch size", ylabel="GB at the peak")
-        ax.set_yscale("log")
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.suptitle("one contrastive step, fake tensors: bars per batch = " +
-                 ", ".join(VARIANTS[v] for v in variants) + " (hatched)", fontsize=9)
-    fig.tight_layout()
+        ax.set_xticks(np.arange(len(batches)), [f"{b}*" if b in {sweep.at_target[m, v] for v in sweep.baselines}
+                                                 else str(b) for b in batches])
+        ax.set(title=f"{m} ({sweep.n_params[m] / 1e6:.3g}M params)", xlabel="batch size (* a baseline at the target)",
+               ylabel="GB at the step's peak")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(CATEGORIES), fontsize=7)
+    fig.suptitle("one contrastive step, fake tensors; bars at each batch: " +
+                 ", ".join(VARIANTS[v] for v in variants) + " (hatched)", fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
