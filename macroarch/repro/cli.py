@@ -1,4 +1,4 @@
-"""The ``macroarch`` command: ``reproduce | paper | claims | runs | memory``.
+"""The ``macroarch`` command: ``reproduce | paper | claims | runs | memory | config check``.
 
 Exit status: 0 done; 1 a notebook failed; 2 bad input (an unknown profile, claim id, notebook, parameter name
 or type, malformed YAML or result file), with one line on stderr and nothing written; 75 the profile is being
@@ -179,6 +179,17 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    """``macroarch config check FILE``: load a technique config (``macroarch.config``); apply nothing."""
+    from macroarch.config import load_config
+
+    c = load_config(args.file)  # a bad key or value: ConfigError naming it, one line and exit 2 in main()
+    parts = [f"MVAS {dict(c.mvas.precision_policy or {}) or c.mvas.target_reduction}" if c.uses_mvas else "no MVAS",
+             f"DGR groups of {c.dgr.group_size}" if c.uses_dgr else "no DGR", f"lr {c.optim.lr:g}"]
+    print(f"{args.file}: ok ({'; '.join(parts)})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macroarch", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -208,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("model", help="a model spec name, e.g. gpt3_175b, llama_65b")
     m.add_argument("--precision", default="bf16_mixed")
     m.set_defaults(fn=_cmd_memory)
+
+    cf = sub.add_parser("config", help="technique configs (YAML such as configs/clip_post.yaml)")
+    ck = cf.add_subparsers(dest="action", required=True).add_parser(
+        "check", help="load a config and report it; a bad key or value is one line on stderr and exit 2")
+    ck.add_argument("file", help="a YAML config, e.g. configs/clip_post.yaml")
+    ck.set_defaults(fn=_cmd_config_check)
     return p
 
 
