@@ -6,8 +6,9 @@
 - **dense** (the default everywhere a user does not ask for packed storage): ``dense_state_dict(model)`` is the
   state dict with every managed weight dequantised to its compute (training) dtype, the values the model
   computes with, so a dense model of the same architecture loads it and gives the same outputs.
-  ``model.save_pretrained`` / ``Trainer.save_model`` / ``safetensors.torch.save_model`` write exactly this
-  (they call ``.contiguous()`` on each tensor, which a managed weight answers with its dense value).
+  ``model.save_pretrained`` / ``Trainer.save_model`` write exactly this (they call ``.contiguous()`` on each
+  tensor, which a managed weight answers with its dense value); for safetensors directly,
+  ``safetensors.torch.save_file(dense_state_dict(model), path)``.
 - **packed, on request**: ``packed_state_dict(model)`` flattens each managed weight into
   ``<key>__mvas_payload`` (fp8 / uint8 codes) and ``<key>__mvas_scales`` (fp32), one copy per tied weight;
   ``save_packed(model, path)`` writes it as safetensors under a name no dense loader picks up, with the

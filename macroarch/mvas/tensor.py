@@ -31,11 +31,13 @@ Exceptions, all cheap:
 
 Gradients are ordinary dense tensors in the compute dtype (``param.grad``), accumulated by autograd as usual.
 
-**Torch-function level**: ``contiguous()`` (what ``save_pretrained`` and ``safetensors.torch.save_model`` call
-before writing) returns the dense weight, so those write dense weights in the training dtype;
-``untyped_storage()`` is the payload's (storage identity for tied-weight detection); ``data_ptr()`` raises a
-``TypeError`` (raw bytes of a dense tensor do not exist; ``safetensors.torch.save_file`` on a raw state dict
-would otherwise write nothing).
+**Torch-function level** (what Python code asks of a tensor before writing its bytes): ``contiguous()`` returns
+the dense weight, so ``save_pretrained`` (which calls it) writes dense weights in the training dtype;
+``is_contiguous()`` is False, as no dense memory exists to read in place (``safetensors.torch.save_file`` on the
+raw state dict then refuses it and asks for ``.contiguous()``; its ``save_model`` refuses too, as the storage
+does not cover a dense tensor: write ``save_file(mvas.dense_state_dict(model), path)``);
+``untyped_storage()`` and ``data_ptr()`` are the payload's (storage identity, for tied-weight detection).
+Kernels are unaffected: they see the wrapper's own (contiguous) strides.
 
 **Serialisation**: ``torch.save`` pickles the packed form (payload, scales, format) exactly; the class is
 registered with ``torch.serialization.add_safe_globals``, so ``torch.load(weights_only=True)`` reads it back in a
@@ -242,14 +244,15 @@ class MVASWeight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.contiguous and isinstance(args[0], MVASWeight):
-            return _Dense.apply(args[0])
-        if func is torch.Tensor.untyped_storage and isinstance(args[0], MVASWeight):
-            return args[0].payload.untyped_storage()
-        if func is torch.Tensor.data_ptr and isinstance(args[0], MVASWeight):
-            raise TypeError(f"{args[0]!r} holds packed storage, no dense data to point at: take .contiguous() (a "
-                            "dense copy) first; save with save_pretrained, safetensors.torch.save_model or "
-                            "macroarch.mvas.dense_state_dict(model)")
+        if args and isinstance(args[0], MVASWeight):
+            if func is torch.Tensor.contiguous:
+                return _Dense.apply(args[0])
+            if func is torch.Tensor.is_contiguous:
+                return False  # no dense memory to read in place: raw writers (safetensors) ask for .contiguous()
+            if func is torch.Tensor.untyped_storage:
+                return args[0].payload.untyped_storage()
+            if func is torch.Tensor.data_ptr:
+                return args[0].payload.data_ptr()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

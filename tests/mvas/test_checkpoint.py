@@ -42,6 +42,20 @@ def test_a_dense_model_loads_the_dense_or_the_packed_state_dict_and_computes_the
         assert torch.equal(loss_fn(dense), expected)
 
 
+def test_safetensors_writes_dense_weights_or_refuses(tmp_path):
+    import safetensors.torch
+
+    net, fresh, loss_fn, _ = _llama()
+    safetensors.torch.save_file(dense_state_dict(net), tmp_path / "dense.safetensors")
+    dense = copy.deepcopy(fresh)
+    safetensors.torch.load_model(dense, tmp_path / "dense.safetensors")
+    assert torch.equal(loss_fn(dense), loss_fn(net))
+    with pytest.raises(ValueError, match="non contiguous tensor"):  # raw bytes of a packed weight: refused
+        safetensors.torch.save_file(net.state_dict(), tmp_path / "raw.safetensors")
+    with pytest.raises(RuntimeError, match="covering the entire storage"):  # save_model too, loudly
+        safetensors.torch.save_model(net, tmp_path / "raw.safetensors")
+
+
 def test_the_packed_safetensors_form_round_trips_exactly(tmp_path):
     net, fresh, loss_fn, store = _llama()
     flat = packed_state_dict(net)

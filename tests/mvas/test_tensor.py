@@ -161,13 +161,12 @@ def test_a_pickle_with_corrupt_scales_is_refused_on_load(bad):
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
 
 
-def test_raw_bytes_are_refused_and_contiguous_is_the_dense_weight():
+def test_raw_readers_are_told_to_ask_for_contiguous_which_is_the_dense_weight():
     w = MVASWeight.from_dense(torch.randn(4, 32), "fp4", 32)
-    with pytest.raises(TypeError, match="packed storage"):
-        w.data_ptr()
+    assert not w.is_contiguous()
     dense = w.contiguous()
-    assert type(dense) is torch.Tensor and torch.equal(dense, w.dequantize())
-    assert w.untyped_storage().data_ptr() == w.payload.untyped_storage().data_ptr()
+    assert type(dense) is torch.Tensor and dense.is_contiguous() and torch.equal(dense, w.dequantize())
+    assert w.data_ptr() == w.untyped_storage().data_ptr() == w.payload.data_ptr()  # identity: the packed storage
 
 
 def test_moving_the_model_to_another_dtype_changes_the_compute_dtype_only():
