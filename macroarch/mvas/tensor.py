@@ -43,8 +43,10 @@ Kernels are unaffected: they see the wrapper's own (contiguous) strides.
 registered with ``torch.serialization.add_safe_globals``, so ``torch.load(weights_only=True)`` reads it back in a
 process that imported ``macroarch.mvas``. Loading validates the scales (finite, >= 0) and the sizes.
 
-**Public storage API** (``MVASAdamW``, the store, and later a fused optimizer step): ``packed()``,
-``dequantize()``, ``dequantize_range()``, ``write()``, ``write_range()``, ``write_unit``, ``repack()``.
+**Public storage API** (``MVASAdamW``, the store, and later a fused optimizer step): ``payload``, ``scales``,
+``format``, ``block_size``, ``packed()``, ``dequantize()``, ``dequantize_range()``, ``write()``,
+``write_range()``, ``write_unit``, ``repack()``, and ``mark_written()`` after writing the payload directly. An
+optimizer that writes through it declares ``supports_mvas_weights = True``.
 FSDP2 (issue 18) extends this type: ``fsdp_pre_all_gather`` returns ``(payload, scales)`` of the local shard and
 ``(format, block_size)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and scales in an
 ``MVASWeight`` (dequantised on use as here); dim-0 shards must then be whole blocks of the flat payload.
@@ -205,6 +207,11 @@ class MVASWeight(torch.Tensor):
         packed = pack(self.dequantize(torch.float32), format, block_size)
         self.payload, self.scales = packed.payload, packed.scales
         self.format, self.block_size = packed.format, packed.block_size
+        _bump(self)
+
+    def mark_written(self) -> None:
+        """Record a write made straight into ``payload`` / ``scales`` (a fused optimizer kernel): a backward that
+        saved this weight before then raises instead of using stale values, as after ``write``."""
         _bump(self)
 
     def _writable(self) -> None:
