@@ -182,7 +182,7 @@ def test_moving_the_model_to_another_dtype_changes_the_compute_dtype_only():
 
 def test_a_direct_payload_write_marked_as_such_stops_a_stale_backward():
     w = nn.Parameter(MVASWeight.from_dense(torch.randn(8, 16), "fp8", 16))
-    loss = F.linear(torch.randn(2, 16), w).square().sum()  # saves w.t() for backward
+    loss = F.linear(torch.randn(2, 16, requires_grad=True), w).square().sum()  # saves w.t() for backward
     with torch.no_grad():
         w.payload.copy_(torch.zeros_like(w.payload))  # what a fused optimizer kernel would do
     w.mark_written()
