@@ -101,6 +101,12 @@ def test_dgr_under_macro_trainer_is_plain_training_with_the_real_grad_norm(tmp_p
     dgr.save_model(str(tmp_path / "wrapped"))  # the wrapped model, under its own names
     assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "wrapped").lm_head.weight, model.lm_head.weight)
 
+    model = _model()  # or the model itself, with the DGR optimizer given
+    wrapper = DGRWrapper(model, group_size=1, example_inputs=dict(input_ids=ids, labels=ids))
+    inner = _train(model, tmp_path, MacroTrainer, args=args,
+                   optimizers=(wrapper.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.0), None))
+    assert _losses(inner, "grad_norm") == pytest.approx(_losses(plain, "grad_norm"), rel=1e-4)
+
 
 def test_dgr_clips_each_group_to_max_grad_norm(tmp_path):
     lr, max_norm = 0.5, 1e-2
