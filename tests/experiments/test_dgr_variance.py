@@ -51,7 +51,9 @@ def test_plain_run_is_adamw_written_out_and_measured_where_asked(setup, comparis
     assert run.losses == losses
     assert [h.step for h in run.history] == [0, 2, 4]
     final = minibatch_gradient_variance(reference, dv.lm_loss, setup.held_out)
-    assert run.history[-1].trace == pytest.approx(final.trace, rel=1e-9)
+    # the same weights (checked bitwise below); the trace is a difference of sums, so its last digits follow the
+    # kernels' summation order (thread count, oneDNN algorithm)
+    assert run.history[-1].trace == pytest.approx(final.trace, rel=1e-6)
     assert all(torch.equal(p, q) for p, q in zip(run.model.parameters(), reference.parameters()))
 
 
