@@ -139,6 +139,7 @@ def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: 
     if config.uses_dgr:
         d = config.dgr
         wrapper = DGRWrapper(model, group_size=d.group_size, mode=d.mode, accumulation_steps=d.accumulation_steps,
-                             max_grad_norm=d.max_grad_norm, example_inputs=example_inputs, loss_fn=loss_fn)
+                             max_grad_norm=d.max_grad_norm, atomic_steps=d.atomic_steps,
+                             example_inputs=example_inputs, loss_fn=loss_fn)
         return Stack(wrapper, model, wrapper.optimizer(optimizer_cls, **kwargs), store, schedule, config)
     return Stack(model, model, optimizer_cls(model.parameters(), **kwargs), store, schedule, config)

@@ -214,6 +214,11 @@ class DGRConfig:
     """Backward passes per update."""
     max_grad_norm: float | None = None
     """Per-group gradient clipping norm; None: no clipping."""
+    atomic_steps: bool = False
+    """Keep each updated group's pre-step copy until the step ends, so that a non-finite gradient found later in
+    backward rolls the whole step back (``DGRWrapper``'s default). It costs up to about three times the
+    parameter bytes at the end of backward, which is what DGR exists to save, so the post's DGR (and this
+    config) keeps no copies: a non-finite gradient then skips its group and the ones after it."""
 
     def __post_init__(self) -> None:
         if self.group_size is not None and self.group_size < 1:
