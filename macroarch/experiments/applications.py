@@ -15,10 +15,11 @@ Variants (``VARIANTS``), all computing in bf16:
 
 - ``baseline``: bf16 weights and gradients, ``MasterWeightAdamW`` (fp32 master and moments: the
   ``"bf16_mixed"`` accounting of ``macroarch.measure.memory``, 16 B per parameter);
-- ``mvas_dgr``: the post's stack as notebook 05 builds it: ``mvas.apply`` with a plan made from the Fisher
-  diagonal of the small model at initialisation (``importance_plan`` at ``weight_bytes`` per managed weight,
-  carried to the full-size model by role with ``transfer_plan(depth="uniform")``), ``DGRWrapper`` in sync mode
-  stepping ``MVASAdamW`` (stochastic rounding, fp8 moments) group by group during backward;
+- ``mvas_dgr``: the post's stack, stacked by ``macroarch.compose.apply``: ``mvas.apply`` with a plan made from
+  the Fisher diagonal of the small model at initialisation (``importance_plan`` at ``weight_bytes`` per managed
+  weight, carried to the full-size model by role with ``transfer_plan(depth="uniform")``), ``DGRWrapper`` in sync
+  mode (compose's defaults, so atomic steps: each group's pre-step copy lives until the step ends) stepping
+  ``MVASAdamW`` (stochastic rounding, fp8 moments) group by group during backward;
 - ``checkpoint`` and ``checkpoint_mvas_dgr``: a reference the post does not mention, activation checkpointing of
   every repeated block (and PointNet's two T-Nets), alone and with the stack.
 
@@ -28,10 +29,10 @@ depth; the notebook can also check it at full depth). The small models trained f
 of ``macroarch.data.applications``.
 
 Deviations: the MVAS plan is not re-planned during these short runs (``MVASSchedule`` is notebook 05's; its fp32
-Fisher EMA would add 4 B per managed weight). Checkpointing is reentrant (``torch.utils.checkpoint`` with
-``use_reentrant=True``), because the MVAS store's saved-tensor hooks would shadow the non-reentrant kind; a block
-whose inputs carry no gradient (PointNet's input T-Net) gets its first input marked as requiring one, so its
-parameters still receive gradients; BatchNorm statistics are updated again when a block is recomputed.
+Fisher EMA would add 4 B per managed weight). Checkpointing is ``torch.utils.checkpoint`` without reentrance (one
+backward pass, which DGR's per-pass bookkeeping needs; MVAS weights are tensors, so they recompute like any
+other); BatchNorm statistics are updated again when a PointNet block is recomputed. The small runs compute in
+``compute_dtype``; the memory measurements always in bf16, the claims' setting.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -77,7 +79,7 @@ class App:
 
 
 APPS = {a.name: a for a in (
-    App("esmfold_trunk", "ESMFold folding trunk (48 blocks, 1024 / 128)", "crop", "residue", 16,
+    App("esmfold_trunk", "ESMFold folding trunk (48 blocks, 1024 / 128)", "crop", "residue", 32,
         {"layers": 48, "width": None, "batch": 1}),
     App("pointnet", "PointNet (1024 points, 40 classes)", "batch", "cloud", 1, {"points": 1024, "classes": 40}),
     App("timesformer", "TimeSformer-base (12 x 768, 224 px)", "frames", "frame", 8,
@@ -109,12 +111,12 @@ def build_model(name: str, dims: Mapping[str, Any], dtype: torch.dtype = torch.b
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            return _build(name, dims).train()
+            return _build(name, dims, shapes_only=torch.device(device or "cpu").type == "meta").train()
     finally:
         torch.set_default_dtype(previous)
 
 
-def _build(name: str, d: Mapping[str, Any]) -> nn.Module:
+def _build(name: str, d: Mapping[str, Any], shapes_only: bool = False) -> nn.Module:
     if name == "esmfold_trunk":
         from macroarch.models.folding import FoldingStack, trunk_config
 
@@ -140,7 +142,14 @@ def _build(name: str, d: Mapping[str, Any]) -> nn.Module:
                       intermediate_size=4 * d["width"], patch_size=8)
     if name == "timesformer":
         return TimesformerForVideoClassification(TimesformerConfig(**common))
-    return VideoMAEForVideoClassification(VideoMAEConfig(**common, attn_implementation="sdpa"))
+    table = contextlib.nullcontext()
+    if shapes_only:  # VideoMAE fills its sinusoidal table in a Python loop (a minute at 1000 frames): shapes suffice
+        from transformers.models.videomae import modeling_videomae
+
+        table = mock.patch.object(modeling_videomae, "get_sinusoid_encoding_table",
+                                  lambda n, dim: torch.zeros(1, n, dim, dtype=torch.float32, device="meta"))
+    with table:
+        return VideoMAEForVideoClassification(VideoMAEConfig(**common, attn_implementation="sdpa"))
 
 
 def random_batch(name: str, dims: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -597,6 +606,16 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.1f} MB"
 
 
+def _train_note(m: Mapping[str, float], name: str) -> str:
+    """The small run of ``name`` in one clause (empty when the metrics hold none)."""
+    if f"{name}_speed_ratio" not in m:
+        return ""
+    f = {v: (m[f"{name}_{v}_final_loss"], m[f"{name}_{v}_eval_loss"]) for v in ("baseline", "mvas_dgr")}
+    return (f"{get_app(name).title.split(' (')[0]} small run: training loss {f['baseline'][0]:.3f} vs "
+            f"{f['mvas_dgr'][0]:.3f} with MVAS + DGR (held out {f['baseline'][1]:.3f} vs {f['mvas_dgr'][1]:.3f}), "
+            f"speed {m[f'{name}_speed_ratio']:.2f}x")
+
+
 def verdict(claim_id: str, metrics: Mapping[str, float], scale: str) -> Any:
     """The graded verdict of C12, C13 or C14 from a run's metrics, with the figures that make it."""
     from macroarch.repro.claims import get_claim
@@ -621,9 +640,11 @@ def verdict(claim_id: str, metrics: Mapping[str, float], scale: str) -> Any:
     elif claim_id == "C14":
         text = ", ".join(f"{k[11:]}: {v:.0f}" for k, v in sorted(m.items())
                          if k.startswith("max_frames_") and k.endswith("gb")) + " frames with MVAS + DGR"
-        note = "longest clip per model and budget; the baseline's in the explanation"
+        note = ""
     else:
         raise ValueError(f"claim {claim_id!r} is not one of this notebook's (C12, C13, C14)")
+    names = {"C12": ["esmfold_trunk"], "C13": ["pointnet"], "C14": ["timesformer", "videomae"]}[claim_id]
+    note = "; ".join(x for x in (note, *(_train_note(m, n) for n in names)) if x)
     return get_claim(claim_id).grade(m, scale=scale, measured_text=text, note=note)
 
 
@@ -640,10 +661,15 @@ def plot_claim(title: str, *, tables: Sequence[SizeTable] = (), fits: Sequence[F
     training loss of the small runs (``trains``)."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     n = len(tables) + len(fits) + len(trains)
-    fig, axes = plt.subplots(1, n, figsize=(5.4 * n, 4.3), squeeze=False)
-    axes = iter(axes[0])
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.3 * rows), squeeze=False)
+    for ax in grid.flat[n:]:
+        ax.set_visible(False)
+    axes = iter(grid.flat)
     for table in tables:
         ax, app = next(axes), get_app(table.name)
         x, ticks = 0.0, []
@@ -654,11 +680,11 @@ def plot_claim(title: str, *, tables: Sequence[SizeTable] = (), fits: Sequence[F
                     h = by_size[size].by_category[k] / GB
                     ax.bar(x, h, bottom=bottom, color=color, label=k.replace("_", " ") if x == 0 else None)
                     bottom += h
-                ticks.append((x, f"{_SHORT[v]}\n{size}"))
+                ticks.append((x, f"{_SHORT[v]} {size}"))
                 x += 1
             x += 0.6
         ax.set_xticks(*zip(*ticks))
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=60)
         ax.set(ylabel="GB at the peak", title=f"{app.title.split(' (')[0]}: step by category ({app.searched})")
         ax.legend(fontsize=7)
     for table in fits:
@@ -670,8 +696,12 @@ def plot_claim(title: str, *, tables: Sequence[SizeTable] = (), fits: Sequence[F
                 ax.plot(fit.size, fit.peak_bytes / GB, "*", ms=11, color=f"C{i}")
         for b in next(iter(table.fits.values())):
             ax.axhline(b, color="k", ls=":", lw=0.8)
+        if app.searched == "frames":
+            ax.axvline(128, color="r", ls="--", lw=0.8, label="the post's 128 frames")
         ax.set(xscale="log", yscale="log", xlabel=app.searched, ylabel="peak GB of one step",
-               title=f"{app.title.split(' (')[0]}: what fits (stars)")
+               title=f"{app.title.split(' (')[0]}: what fits (stars; dotted: budgets)")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.legend(fontsize=7)
     for r in trains:
         ax = next(axes)

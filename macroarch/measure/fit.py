@@ -17,8 +17,9 @@ answers "what fits" by measurement, never by formula:
   assumed to grow with the size. The search brackets the boundary by extrapolating the measured peaks (never
   by more than 64x), then narrows the bracket by interpolation with a bisection safeguard (a step that does not
   halve the bracket is followed by a midpoint), so an affine peak takes a handful of measurements and any
-  monotone one at most about twice bisection's count. ``MeasureCache`` keeps every measurement, so the searches
-  for several budgets share them.
+  monotone one at most about twice bisection's count; inside the bracket the step is the root of a parabola
+  through the three nearest measurements (exact for a quadratic peak, close for a cubic one). ``MeasureCache``
+  keeps every measurement, so the searches for several budgets share them.
 - ``extrapolate_peak(reports, n_layers)``: the step of an ``n_layers`` model from measurements at a few depths,
   affine in depth, checked on a third depth, as ``macroarch.measure.memory.extrapolate_by_depth`` does for its
   categories; here for the *peak* (and the categories at it), which is what a budget has to hold.
@@ -48,19 +49,25 @@ def fake_module(module: nn.Module, device: str | torch.device = "cpu") -> nn.Mod
     """``module`` (built on ``"meta"``) with every parameter and buffer replaced by an empty tensor on ``device``.
 
     Call it inside ``FakeTensorMode``: the tensors are then fake (shapes, dtypes, no data). Tied parameters stay
-    tied. The tensors are replaced in place (not with ``nn.Module._apply``, which would try to swap a fake
-    parameter's storage and fail)."""
+    tied. Plain tensor attributes are replaced too (VideoMAE keeps its sinusoidal position table as one, built
+    from numpy on the CPU whatever the device). The tensors are replaced in place (not with
+    ``nn.Module._apply``, which would try to swap a fake parameter's storage and fail)."""
     done: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return done[id(t)]
+
     for m in module.modules():
         for store in (m._parameters, m._buffers):
             for key, t in store.items():
-                if t is None:
-                    continue
-                if id(t) not in done:
-                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
-                    is_param = isinstance(t, nn.Parameter)
-                    done[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
-                store[key] = done[id(t)]
+                if t is not None:
+                    store[key] = empty(t)
+        for key, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor) and not key.startswith("_"):
+                setattr(m, key, empty(value))
     return module
 
 
@@ -200,8 +207,7 @@ def largest_fitting(measure: Callable[[int], StepMemory], budget_bytes: int | fl
         if halve:
             probe = _on_grid((lo + hi) / 2, multiple, up=False)
         else:
-            t = (budget_bytes - peak(lo)) / (peak(hi) - peak(lo))
-            probe = _on_grid(lo + t * width, multiple, up=False)
+            probe = _on_grid(_interpolate(reports, lo, hi, budget_bytes), multiple, up=False)
         probe = min(max(probe, lo + multiple), hi - multiple)
         if peak(probe) <= budget_bytes:
             lo = probe
@@ -209,6 +215,31 @@ def largest_fitting(measure: Callable[[int], StepMemory], budget_bytes: int | fl
             hi = probe
         halve = (hi - lo) > width / 2
     return _fit(lo, hi, budget_bytes, reports)
+
+
+def _interpolate(reports: Mapping[int, StepMemory], lo: int, hi: int, budget: float) -> float:
+    """Where the peak crosses ``budget`` between ``lo`` and ``hi``: through a parabola of the three measured sizes
+    nearest the straight-line estimate (peaks grow as polynomials of the size: attention is quadratic in a clip,
+    triangular attention cubic in a crop), or the straight line when that has no root in the bracket."""
+    p_lo, p_hi = reports[lo].peak_bytes, reports[hi].peak_bytes
+    line = lo + (budget - p_lo) / (p_hi - p_lo) * (hi - lo)
+    near = sorted(reports, key=lambda n: abs(n - line))[:3]
+    if len(near) == 3:
+        xs = [float(n) for n in near]
+        ys = [float(reports[n].peak_bytes) - budget for n in near]
+        # Newton's divided differences: y(x) = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
+        d01, d12 = (ys[1] - ys[0]) / (xs[1] - xs[0]), (ys[2] - ys[1]) / (xs[2] - xs[1])
+        d2 = (d12 - d01) / (xs[2] - xs[0])
+        a, b = d2, d01 - d2 * (xs[0] + xs[1])
+        c = ys[0] - d01 * xs[0] + d2 * xs[0] * xs[1]
+        if a != 0:
+            disc = b * b - 4 * a * c
+            if disc >= 0:
+                roots = [(-b + sign * math.sqrt(disc)) / (2 * a) for sign in (1, -1)]
+                inside = [r for r in roots if lo < r < hi]
+                if inside:
+                    return min(inside, key=lambda r: abs(r - line))
+    return line
 
 
 def _fit(lo: int, hi: int | None, budget: float, reports: dict[int, StepMemory]) -> Fit:
