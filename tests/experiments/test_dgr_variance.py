@@ -13,6 +13,16 @@ from macroarch.experiments import dgr_variance as dv
 from macroarch.measure.gradients import minibatch_gradient_variance
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_for_the_module():
+    """The module's fixtures train before the per-test one-thread fixture runs: the references in the tests
+    (one thread) must see the same kernels' summation order to compare bitwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def setup():
     g = torch.Generator().manual_seed(0)
