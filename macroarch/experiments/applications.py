@@ -18,7 +18,7 @@ Variants (``VARIANTS``), all computing in bf16:
 - ``mvas_dgr``: the post's stack, stacked by ``macroarch.compose.apply``: ``mvas.apply`` with a plan made from
   the Fisher diagonal of the small model at initialisation (``importance_plan`` at ``weight_bytes`` per managed
   weight, carried to the full-size model by role with ``transfer_plan(depth="uniform")``), ``DGRWrapper`` in sync
-  mode (compose's defaults, so atomic steps: each group's pre-step copy lives until the step ends) stepping
+  mode (compose's default ``atomic_steps=False``: no pre-step copies, as the post's DGR) stepping
   ``MVASAdamW`` (stochastic rounding, fp8 moments) group by group during backward;
 - ``checkpoint`` and ``checkpoint_mvas_dgr``: a reference the post does not mention, activation checkpointing of
   every repeated block (and PointNet's two T-Nets), alone and with the stack.
