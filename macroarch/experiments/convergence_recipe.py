@@ -40,34 +40,9 @@ from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info, torch_dtype
-from macroarch.experiments.loop import Batch, evaluate_lm, lm_loss, train_lm
+from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, lm_loss, train_lm
 from macroarch.models import get_model_spec
 from macroarch.optim import CompensatedAdamW, LossSpikeGuard, MasterWeightAdamW, NormGradScaler, recipe_scheduler
-
-
-@dataclass
-class RunResult:
-    """One training run.
-
-    Attributes:
-        losses: training loss of each step; stops where the run diverged.
-        eval_loss: held-out loss at the end (``evaluate_lm``); NaN if the run diverged.
-        diverged_at: index of the first step with a non-finite loss (the run stops there), or None.
-        seconds: wall time of the training loop.
-        metrics: ``spike_triggers`` and ``min_lr_factor``.
-        series: ``lr``: the LR applied at each step (the first param group's, times the guard's factor).
-    """
-
-    losses: list[float]
-    eval_loss: float
-    diverged_at: int | None
-    seconds: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    series: dict[str, list[float]] = field(default_factory=dict)
-
-    @property
-    def diverged(self) -> bool:
-        return self.diverged_at is not None
 
 
 # ------------------------------------------------------------------------------------------------ stacks

@@ -57,6 +57,31 @@ class TrainLog:
         return times[len(times) // 2]
 
 
+@dataclass
+class RunResult:
+    """What one training run measured (the C8 and C10 sweeps keep one per run).
+
+    Attributes:
+        losses: training loss of each update (mean over its micro-batches); stops where the run diverged.
+        eval_loss: held-out loss at the end (``evaluate_lm``); NaN if the run diverged.
+        diverged_at: index of the first update with a non-finite loss (the run stops there), or None.
+        seconds: wall time of the training loop.
+        metrics: run-specific numbers (lost-update fraction, overflows, underflow...).
+        series: run-specific per-update series (the scale...).
+    """
+
+    losses: list[float]
+    eval_loss: float
+    diverged_at: int | None
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    series: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def diverged(self) -> bool:
+        return self.diverged_at is not None
+
+
 @dataclass(frozen=True)
 class EvalResult:
     loss: float

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -37,37 +37,12 @@ from matplotlib.figure import Figure
 
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info
-from macroarch.experiments.loop import Batch, evaluate_lm, lm_loss, train_lm
+from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, lm_loss, train_lm
 from macroarch.models import get_model_spec
 from macroarch.optim import AUTO_MASTER_MIN_ACCUMULATION, CompensatedAdamW
 
 SCALING_METHODS = ("none", "gradscaler", "norm_rule")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass
-class RunResult:
-    """What one training run measured.
-
-    Attributes:
-        losses: training loss of each update (mean over its micro-batches); stops where the run diverged.
-        eval_loss: held-out loss at the end (``evaluate_lm``); NaN if the run diverged.
-        diverged_at: index of the first update with a non-finite loss (the run stops there), or None.
-        seconds: wall time of the training loop.
-        metrics: run-specific numbers (lost-update fraction, overflows, underflow...).
-        series: run-specific per-update series (the scale...).
-    """
-
-    losses: list[float]
-    eval_loss: float
-    diverged_at: int | None
-    seconds: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    series: dict[str, list[float]] = field(default_factory=dict)
-
-    @property
-    def diverged(self) -> bool:
-        return self.diverged_at is not None
 
 
 def _split(batch: Batch, parts: int) -> list[Batch]:
