@@ -80,6 +80,11 @@ _LIKE = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "ran
          "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"}
 _VIEW_LIKE = {aten._unsafe_view.default}  # not flagged as a view, but what reshape of a contiguous tensor is
 _WRITES: dict[Any, bool] = {}  # op -> whether its schema writes any argument
+# views that may land on whole blocks of the flat storage (dim-0 shards, flattening): FSDP2's chunk, narrow, view
+_STORAGE_VIEWS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.view.default,
+                  aten._unsafe_view.default, aten.as_strided.default}
+_PACKED_FACTORIES = {aten.new_zeros.default, aten.new_empty.default}
+_SHARDING = False  # set by macroarch.mvas.fsdp.sharding() while FSDP2 shards managed weights
 
 
 def _unaware_message(what: str, weight: MVASWeight) -> str:
@@ -255,7 +260,9 @@ class MVASWeight(torch.Tensor):
             if func is torch.Tensor.contiguous:
                 return _Dense.apply(args[0])
             if func is torch.Tensor.is_contiguous:
-                return False  # no dense memory to read in place: raw writers (safetensors) ask for .contiguous()
+                # no dense memory to read in place: raw writers (safetensors) ask for .contiguous(); FSDP2 shards the
+                # storage itself (macroarch.mvas.fsdp.sharding)
+                return _SHARDING and not args[0]._views
             if func is torch.Tensor.untyped_storage:
                 return args[0].payload.untyped_storage()
             if func is torch.Tensor.data_ptr:
@@ -272,6 +279,10 @@ class MVASWeight(torch.Tensor):
                 return first._derived(first.payload, first.scales, first.dtype, first._views, first)
             if func.is_view or func in _VIEW_LIKE:
                 return first._view(func, args[1:], kwargs)
+            if _SHARDING and func in _PACKED_FACTORIES and not first._views:
+                packed = first._packed_factory(args[1], kwargs)
+                if packed is not None:
+                    return packed
             if func is aten.clone.default and not first._views:
                 scales = None if first.scales is None else first.scales.clone()
                 return first._derived(first.payload.clone(), scales, first.dtype, (), first)
@@ -300,6 +311,10 @@ class MVASWeight(torch.Tensor):
                           outer=(like.shape, like.stride()))
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> MVASWeight | list[MVASWeight]:
+        if func in _STORAGE_VIEWS and not self._views:  # whole blocks of the storage: a weight on a slice of it
+            sliced = self._storage_slices(func, args, kwargs)
+            if sliced is not None:
+                return sliced
         if func is aten.t.default and self.dim() == 2:  # F.linear's, forward and backward: no meta op needed
             view = (func, args, kwargs, None)
             return MVASWeight(self.payload, self.scales, self.format, self.block_size, self._packed_shape,
@@ -312,6 +327,65 @@ class MVASWeight(torch.Tensor):
                                  meta)
         return [self._derived(self.payload, self.scales, self.dtype, (*self._views, (func, args, kwargs, i)), m)
                 for i, m in enumerate(meta)]
+
+    def _storage_slices(self, func: Any, args: tuple, kwargs: dict) -> MVASWeight | list[MVASWeight] | None:
+        """A view that is a contiguous run of whole blocks (and whole fp4 bytes) of the flat storage, as a weight
+        on that run of the payload and scales (writable, no views to replay); None if any piece is not."""
+        with _no_modes():
+            meta = func(torch.empty(self._packed_shape, dtype=self.dtype, device="meta"), *args, **kwargs)
+        metas = [meta] if isinstance(meta, torch.Tensor) else list(meta)
+        pieces = []
+        for m in metas:
+            start = m.storage_offset()
+            piece = self._storage_range(start, start + m.numel(), tuple(m.shape)) if m.is_contiguous() else None
+            if piece is None:
+                return None
+            pieces.append(piece)
+        return pieces[0] if isinstance(meta, torch.Tensor) else pieces
+
+    def _storage_range(self, start: int, stop: int, shape: tuple[int, ...]) -> MVASWeight | None:
+        """Elements ``start:stop`` of the flat storage as a weight of ``shape`` sharing it; None unless the range
+        is whole ``write_unit`` s (the whole tensor when one scale covers it)."""
+        numel = math.prod(self._packed_shape)
+        if (start, stop) != (0, numel) and (start % self.write_unit or (stop % self.write_unit and stop != numel)
+                                            or self.write_unit == numel):
+            return None
+        fp4 = self.format == "fp4_e2m1"
+        payload = self.payload[start // 2:(stop + 1) // 2] if fp4 else self.payload[start:stop]
+        scales = self.scales
+        if scales is not None and self.block_size is not None:
+            scales = scales[start // self.block_size:stop // self.block_size]
+        return MVASWeight(payload, scales, self.format, self.block_size, shape, self.dtype)
+
+    def _packed_factory(self, size: Any, kwargs: dict) -> MVASWeight | None:
+        """``new_zeros`` / ``new_empty`` while FSDP2 shards (``_SHARDING``): a zero weight of ``size`` in this
+        format, or None if ``size`` is not whole blocks (or asks for another dtype or device)."""
+        shape = tuple(int(s) for s in size)
+        numel = math.prod(shape)
+        fmt = get_format(self.format)
+        if kwargs.get("dtype") not in (None, self.dtype) or kwargs.get("device") not in (None, self.device):
+            return None
+        if fmt.block_scaled and (self.block_size is None or numel % self.block_size):
+            return None
+        payload = torch.zeros((numel + 1) // 2 if fmt.name == "fp4_e2m1" else numel, dtype=fmt.storage_dtype,
+                              device=self.device)
+        scales = torch.zeros(numel // self.block_size, device=self.device) if fmt.block_scaled else None
+        return MVASWeight(payload, scales, self.format, self.block_size, shape, self.dtype)
+
+    # ------------------------------------------------------------------------------------------ FSDP2 hooks
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any,
+                            mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """FSDP2 all-gathers what this returns: the shard's payload and scales (``macroarch.mvas.fsdp``)."""
+        from macroarch.mvas.fsdp import pre_all_gather
+
+        return pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+                             param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
+        """The gathered payload and scales as the whole weight (``macroarch.mvas.fsdp``)."""
+        from macroarch.mvas.fsdp import post_all_gather
+
+        return post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
 
     def _to_copy(self, kwargs: dict) -> MVASWeight | None:
         """A cast is a view (same storage, another compute dtype); a device move moves the storage; a copy to
@@ -439,7 +513,7 @@ def _refuse_unaware_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwar
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if type(p) is MVASWeight:
+            if type(getattr(p, "_local_tensor", p)) is MVASWeight:  # a DTensor (FSDP2) holds its shard locally
                 raise TypeError(_unaware_message(f"{type(optimizer).__module__}.{type(optimizer).__name__}", p))
 
 
