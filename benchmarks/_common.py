@@ -10,16 +10,22 @@ computes in bf16 is compared with fp32 AdamW as well). ``machine_info`` itself i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from macroarch.experiments.hardware import machine_info
+
+try:
+    from macroarch.mvas import kernels
+except ImportError:  # a build without the compiled MVAS kernels (issue 14): everything runs eagerly
+    kernels = None
 
 #: /proc/cpuinfo flags that decide how fast bf16, fp16 and wide vectors run on a CPU
 SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
@@ -161,3 +167,33 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, float
         lines.append("  ".join(v.ljust(widths[0]) if c == 0 else v.rjust(widths[c]) for c, v in enumerate(r)))
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def compile_switch(flag: bool | None) -> Iterator[None]:
+    """The MVAS kernels' environment switch (``MACROARCH_COMPILE``) set to ``flag`` for the block, then put back;
+    ``flag`` None, or a build without ``macroarch.mvas.kernels``: nothing changes."""
+    if flag is None or kernels is None:
+        yield
+        return
+    old = os.environ.get(kernels.ENV)
+    os.environ[kernels.ENV] = "1" if flag else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(kernels.ENV, None)
+        else:
+            os.environ[kernels.ENV] = old
+
+
+def kernel_stats() -> dict[str, float]:
+    """``macroarch.mvas.kernels.compile_stats()`` (compile seconds, compiled and eager calls), empty without it."""
+    return dict(kernels.compile_stats()) if kernels is not None else {}
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a rise between two points is a recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

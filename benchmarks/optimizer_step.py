@@ -35,11 +35,9 @@ written). An optimizer that makes several passes over memory shows up as a low f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import inspect
 import json
-import os
 import statistics
 import time
 import warnings
@@ -48,18 +46,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import all_threads, format_size, format_table, machine_lines, parse_sizes, time_calls
+from _common import (
+    all_threads,
+    compile_switch,
+    format_size,
+    format_table,
+    kernel_stats,
+    kernels,
+    machine_lines,
+    parse_sizes,
+    time_calls,
+)
 
 from macroarch.experiments.hardware import machine_info
 from macroarch.mvas import MVASWeight
 from macroarch.mvas.formats import pack
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.optim import CompensatedAdamW
-
-try:
-    from macroarch.mvas import kernels
-except ImportError:  # a build without the compiled MVAS kernels: MVASAdamW runs eagerly only
-    kernels = None
 
 REFERENCE = "torch AdamW fp32 foreach"
 ROW = 1024  # elements per row of the 2-D tensors (MVAS packs whole blocks of 32; the moments blocks of 128)
@@ -206,25 +209,8 @@ def build_params(values: list[torch.Tensor], weights: str) -> list[torch.Tensor]
     return [torch.nn.Parameter(MVASWeight.from_packed(pack(v, weights, 32), torch.bfloat16)) for v in values]
 
 
-@contextlib.contextmanager
-def compile_switch(flag: bool | None) -> Iterator[None]:
-    """``MACROARCH_COMPILE`` set for the MVAS kernels while a step runs (``flag`` None: left as it is)."""
-    if flag is None or kernels is None:
-        yield
-        return
-    old = os.environ.get(kernels.ENV)
-    os.environ[kernels.ENV] = "1" if flag else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(kernels.ENV, None)
-        else:
-            os.environ[kernels.ENV] = old
-
-
 def _compiled_calls() -> int:
-    return int(kernels.compile_stats()["compiled_calls"]) if kernels is not None else 0
+    return int(kernel_stats().get("compiled_calls", 0))
 
 
 def run_size(numel: int, n_tensors: int, chosen: dict[str, Setup], *, warmup: int, repeats: int,
