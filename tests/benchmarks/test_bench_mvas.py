@@ -1,0 +1,73 @@
+"""benchmarks/mvas.py: the foreach fp32-master reference, speed ratios, target checks, argument checks. Not timed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def bench(load_benchmark):
+    return load_benchmark("mvas")
+
+
+def test_foreach_master_reference_matches_the_per_tensor_one(bench):
+    from macroarch.optim import MasterWeightAdamW
+
+    torch.manual_seed(0)
+    base = [torch.randn(64, 32), torch.randn(32)]
+    runs = []
+    for cls in (bench.ForeachMasterAdamW, MasterWeightAdamW):
+        params = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in base]
+        runs.append((params, cls(params, lr=1e-2, weight_decay=0.1)))
+    for step in range(3):
+        grads = [torch.randn(t.shape, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16) for t in base]
+        for params, opt in runs:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    (mine, opt), (theirs, ref) = runs
+    for p, q in zip(mine, theirs):
+        assert p.dtype == torch.bfloat16
+        torch.testing.assert_close(opt.state[p]["master"], ref.state[q]["master"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, q, rtol=0, atol=0.02)  # the masters rounded to bf16 (one ulp at most)
+        assert float(opt.state[p]["step"]) == 3
+        assert p.data_ptr() != opt.state[p]["master"].data_ptr()
+    moved = [(p.float() - t.to(torch.bfloat16).float()).abs().max() for p, t in zip(mine, base)]
+    assert min(moved) > 0  # the bf16 weights follow their masters
+
+
+def test_speed_rows_ratios_against_both_references(bench):
+    step_s = {1024: {bench.REFERENCE: 1.0, "AdamW fp32": 0.5, "MVAS + DGR": 2.0}, 4096: {"MVAS + DGR": 4.0}}
+    rows = bench.speed_rows(["MVAS + DGR", "AdamW fp32"], step_s)
+    assert rows[0] == ["MVAS + DGR", "2000", "0.50x", "0.25x", "4000", None, None]
+    assert rows[1][1:4] == ["500", "2.00x", "1.00x"]
+    assert len(bench.speed_headers(step_s)) == len(rows[0])
+
+
+def test_target_checks(bench):
+    ref = dict(eval_loss=2.0)
+    step_s = {1024: {bench.REFERENCE: 0.9, "AdamW fp32": 1.8, "MVAS + DGR": 1.0}}
+    ok = dict(bytes_per_param=3.99, eval_loss=2.019)
+    checks = dict(bench.target_checks(ok, ref, step_s, 1024, "AdamW fp32"))
+    assert len(checks) == 4
+    assert all(met for name, met in checks.items() if "fp32" not in name or "master" in name)
+    assert checks[">= 0.9x AdamW fp32 at 1024 tokens (1.80x)"]
+    bad = dict(bytes_per_param=4.01, eval_loss=2.03)
+    checks = dict(bench.target_checks(bad, ref, {1024: {**step_s[1024], "MVAS + DGR": 1.1}}, 1024,
+                                      bench.REFERENCE))
+    assert len(checks) == 3 and not any(checks.values())  # the fair reference is the bf16 one: checked once
+
+
+def test_arguments(bench, capsys):
+    args = bench.parse_args([])
+    assert args.tokens == [1024, 4096, 16384] and args.variants == bench.DEFAULT_VARIANTS
+    assert bench.EAGER in bench.parse_args(["--eager-too"]).variants
+    args = bench.parse_args(["--tokens", "256,512", "--seq-len", "64", "--only", "MVAS + DGR, AdamW fp32"])
+    assert args.tokens == [256, 512] and args.variants == ("MVAS + DGR", "AdamW fp32")
+    for argv, message in [(["--tokens", "1000"], "multiple of 128"), (["--only", "SGD"], "unknown variant"),
+                          (["--steps", "5", "--warmup", "5"], "must exceed --warmup"),
+                          (["--timed-steps", "0"], "--timed-steps 0 must be >= 1")]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
