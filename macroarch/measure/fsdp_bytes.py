@@ -111,7 +111,9 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None)
 
 def measure_fsdp(d_model: int = 64, n_layers: int = 2, tokens: int = 8, steps: int = 2, weight_format: str = "fp8",
                  block_size: int = 32, lr: float = 1e-3) -> dict[str, Any]:
-    """On every rank of a launch: bytes per rank and all-gather bytes per step, FSDP2 + MVAS vs FSDP2 bf16."""
+    """On every rank of a launch: bytes per rank and all-gather bytes per step, FSDP2 + MVAS vs FSDP2 bf16. Both
+    compute in bf16 (the MVAS weights are packed from the bf16 model; biases stay bf16 in both), so the gradients
+    are the same size and the weights and moments are what differ."""
     from torch.distributed.fsdp import fully_shard
 
     from macroarch.measure.workload import Workload
@@ -123,12 +125,11 @@ def measure_fsdp(d_model: int = 64, n_layers: int = 2, tokens: int = 8, steps: i
     out: dict[str, Any] = {"world_size": dist.get_world_size(), "steps": steps, "format": weight_format,
                            "block_size": block_size}
     for name in ("mvas", "bf16"):
-        model = work.mlp()
+        model = work.mlp().to(torch.bfloat16)
         if name == "mvas":
             apply(model, plan_from_rules(model, [("*.weight", weight_format)], block_size=block_size, min_numel=0))
             shard = mvas_fsdp.fully_shard
         else:
-            model.to(torch.bfloat16)
             shard = fully_shard
         for layer in model:
             shard(layer)
@@ -141,7 +142,7 @@ def measure_fsdp(d_model: int = 64, n_layers: int = 2, tokens: int = 8, steps: i
             shards, optimizer = None, torch.optim.AdamW(model.parameters(), lr=lr)
         with count_collectives() as log:
             for x in batches:
-                model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+                model(x.to(torch.bfloat16)).float().square().mean().backward()
                 if shards is not None:
                     shards.sync_grads()
                 optimizer.step()
