@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("MACROARCH_COMPILE", "0")  # the eager kernels, the reference; tests/mvas/test_kernels.py compiles
 
 
 @pytest.fixture(autouse=True)

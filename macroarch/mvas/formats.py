@@ -167,8 +167,17 @@ class PackedTensor:
         """The values as a dense tensor of ``dtype`` (default: the dtype the tensor was packed from).
 
         Large tensors are decoded in chunks of about ``CHUNK_NUMEL`` elements straight into the output, so the
-        float32 temporaries stay bounded (a 32000 x 8192 embedding would otherwise take 2 GB of them)."""
+        float32 temporaries stay bounded (a 32000 x 8192 embedding would otherwise take 2 GB of them). Where
+        ``macroarch.mvas.kernels`` may compile, one fused kernel decodes straight into ``dtype`` (no temporaries);
+        ``MACROARCH_COMPILE=0`` keeps this eager path."""
         dtype = self.dtype if dtype is None else dtype
+        from macroarch.mvas import kernels  # it imports this module
+
+        if self.format != "fp32" and kernels.compile_enabled():
+            fused = kernels.dequantize(self.payload, self.scales, self.format, self.block_size, self.numel, dtype,
+                                       eager_fallback=False)
+            if fused is not None:
+                return fused.view(self.shape)
         chunk = self.chunk_numel()
         if chunk is None or self.numel <= chunk:
             return self.dequantize_range(0, self.numel).reshape(self.shape).to(dtype)
@@ -190,17 +199,15 @@ class PackedTensor:
         """Elements ``start:stop`` of the flattened tensor as float32 (a new tensor, never a view of the payload);
         ``start`` must be a multiple of ``chunk_numel()``'s unit (whole blocks, whole fp4 bytes)."""
         fmt = get_format(self.format)
+        block = self.block_size
         if fmt.name == "fp4_e2m1":
-            values = _decode_e2m1(self.payload[start // 2:(stop + 1) // 2], stop - start)
+            payload = self.payload[start // 2:(stop + 1) // 2]
         else:
-            values = self.payload[start:stop].to(torch.float32, copy=True)
-        if self.scales is not None and values.numel():
-            if self.block_size is None:
-                values = values * self.scales[0]
-            else:
-                scales = self.scales[start // self.block_size:stop // self.block_size]
-                values = (values.view(scales.numel(), -1) * scales[:, None]).reshape(-1)
-        return values
+            payload = self.payload[start:stop]
+        scales = self.scales
+        if scales is not None and block is not None:
+            scales = scales[start // block:stop // block]
+        return decode(payload, scales, fmt, block, stop - start)
 
     def to_dict(self) -> dict[str, Any]:
         """Tensors and plain values only, so ``torch.save`` / ``torch.load(weights_only=True)`` round-trip it."""
@@ -225,20 +232,29 @@ class PackedTensor:
 
 
 # ------------------------------------------------------------------------------------------------ rounding
-def _stochastic_magnitude(a: torch.Tensor, mantissa_bits: int, min_exponent: int,
-                          generator: torch.Generator | None) -> torch.Tensor:
+def noise_bits(fmt: str | Format) -> int:
+    """Random bits one stochastic rounding into ``fmt`` uses per element: the float32 mantissa bits it drops."""
+    return 23 - get_format(fmt).mantissa_bits
+
+
+def draw_noise(numel: int, fmt: str | Format, generator: torch.Generator | None,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Uniform int32 noise in ``[0, 2^noise_bits(fmt))`` for ``numel`` elements, drawn from ``generator``."""
+    return torch.randint(0, 1 << noise_bits(fmt), (numel,), generator=generator, device=device, dtype=torch.int32)
+
+
+def _stochastic_magnitude(a: torch.Tensor, mantissa_bits: int, min_exponent: int, noise: torch.Tensor) -> torch.Tensor:
     """``a`` (float32, >= 0) rounded stochastically to ``mantissa_bits`` bits of mantissa, exponents down to
     ``min_exponent`` (below it the spacing is fixed, as for subnormals): the result is one of the two
     neighbouring representable values, the upper one with probability (a - lo) / (hi - lo).
 
-    In the normal range, adding a uniform integer in [0, 2^k) to the float32 bit pattern, k = 23 - mantissa_bits,
-    and clearing the low k bits rounds up exactly when the noise carries past the kept bits, which happens with
-    probability (dropped bits) / 2^k = (a - lo) / (hi - lo); a carry into the exponent gives the next power of
-    two, the correct upper neighbour. Below 2^min_exponent the spacing is 2^(min_exponent - mantissa_bits):
-    floor(a / spacing + u) * spacing, u uniform in [0, 1), with the same noise.
+    In the normal range, adding a uniform integer in [0, 2^k) (``noise``, int32), k = 23 - mantissa_bits, to the
+    float32 bit pattern and clearing the low k bits rounds up exactly when the noise carries past the kept bits,
+    which happens with probability (dropped bits) / 2^k = (a - lo) / (hi - lo); a carry into the exponent gives
+    the next power of two, the correct upper neighbour. Below 2^min_exponent the spacing is
+    2^(min_exponent - mantissa_bits): floor(a / spacing + u) * spacing, u uniform in [0, 1), with the same noise.
     """
     shift = 23 - mantissa_bits
-    noise = torch.randint(0, 1 << shift, a.shape, generator=generator, device=a.device, dtype=torch.int32)
     bits = a.view(torch.int32)
     q = ((bits + noise) & ~((1 << shift) - 1)).view(torch.float32)
     spacing = 2.0 ** (min_exponent - mantissa_bits)
@@ -246,34 +262,34 @@ def _stochastic_magnitude(a: torch.Tensor, mantissa_bits: int, min_exponent: int
     return torch.where(a < 2.0 ** min_exponent, small, q)
 
 
-def _round_elementwise(y: torch.Tensor, fmt: Format, rounding: str, generator: torch.Generator | None):
-    """``y`` (float32) rounded to ``fmt.storage_dtype``: torch's cast, or stochastic between the neighbours
-    (``_stochastic_magnitude``, then torch's cast of a value it represents exactly)."""
+def _round_elementwise(y: torch.Tensor, fmt: Format, noise: torch.Tensor | None) -> torch.Tensor:
+    """``y`` (float32) rounded to ``fmt.storage_dtype``: torch's cast (``noise`` None), or stochastic between
+    the neighbours (``_stochastic_magnitude``, then torch's cast of a value it represents exactly)."""
     dtype = fmt.storage_dtype
-    if rounding == "nearest" or dtype == torch.float32:
+    if noise is None or dtype == torch.float32:
         return y.to(dtype)
     a = y.abs()
     min_exponent = 2 - 2 ** (fmt.exponent_bits - 1)  # 1 - bias
-    q = _stochastic_magnitude(a, fmt.mantissa_bits, min_exponent, generator)
+    q = _stochastic_magnitude(a, fmt.mantissa_bits, min_exponent, noise)
     q = torch.where(a > fmt.max_normal, a, q)  # out of range (bf16/fp16 only): torch's cast
     return torch.copysign(q, y).to(dtype)
 
 
-def _round_e2m1(y: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _round_e2m1(y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     """``y`` (float32, |y| <= 6) as e2m1 codes (uint8, 0..15; bit 3 the sign).
 
     e2m1 is a float with 1 mantissa bit, exponents 0..2 and subnormal spacing 0.5, so rounding is that of
-    ``_stochastic_magnitude`` (or round-half-to-even on the same grid), and the code of a grid value q is
-    2q below 1, else 2 * (exponent + 1) + mantissa bit, read from q's float32 bits.
+    ``_stochastic_magnitude`` (or, ``noise`` None, round-half-to-even on the same grid), and the code of a grid
+    value q is 2q below 1, else 2 * (exponent + 1) + mantissa bit, read from q's float32 bits.
     """
     a = y.abs()
-    if rounding == "nearest":
+    if noise is None:
         bits = a.view(torch.int32)
         # round half to even at 1 mantissa bit: add 0x1FFFFF plus the kept lowest bit, clear the 22 low bits
         q = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & ~0x3FFFFF).view(torch.float32)
         q = torch.where(a < 1.0, torch.round(a * 2.0) * 0.5, q)  # spacing 0.5 below 1; torch.round: half to even
     else:
-        q = _stochastic_magnitude(a, 1, 0, generator)
+        q = _stochastic_magnitude(a, 1, 0, noise)
     q = q.clamp(max=6.0)
     qbits = q.view(torch.int32)
     exponent = (qbits >> 23) - 127
@@ -285,6 +301,45 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     return codes[0::2] | (codes[1::2] << 4)
+
+
+def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None,
+           noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The storage of ``x`` (flat float32, finite for scaled formats) in ``fmt``: ``(payload, scales)``.
+
+    The arithmetic of ``pack`` without its checks, so that ``macroarch.mvas.kernels`` compiles the same code:
+    ``noise`` (int32 in ``[0, 2^noise_bits(fmt))``, one per element) rounds stochastically, None to nearest.
+    ``block_size`` must divide ``x``'s length (None: one scale for all of ``x``)."""
+    fmt = get_format(fmt)
+    if not fmt.block_scaled:
+        return _round_elementwise(x, fmt, noise), None
+    blocks = x.view(1, -1) if block_size is None else x.view(-1, block_size)  # (n_blocks, block)
+    if blocks.numel():
+        scales = blocks.abs().amax(dim=1) / fmt.max_normal
+    else:
+        scales = torch.zeros(blocks.shape[0], device=x.device)
+    divisor = torch.where(scales > 0, scales, 1.0)  # an all-zero block stays zero
+    y = (blocks / divisor[:, None]).clamp(-fmt.max_normal, fmt.max_normal).reshape(-1)
+    if fmt.name == "fp4_e2m1":
+        return _pack_nibbles(_round_e2m1(y, noise)), scales.to(SCALE_DTYPE)
+    return _round_elementwise(y, fmt, noise), scales.to(SCALE_DTYPE)
+
+
+def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str | Format, block_size: int | None,
+           numel: int) -> torch.Tensor:
+    """``numel`` elements stored as ``payload`` and ``scales`` in ``fmt``, as a new flat float32 tensor (the
+    arithmetic of ``PackedTensor.dequantize_range``, compiled by ``macroarch.mvas.kernels``)."""
+    fmt = get_format(fmt)
+    if fmt.name == "fp4_e2m1":
+        values = _decode_e2m1(payload, numel)
+    else:
+        values = payload.to(torch.float32, copy=True)
+    if scales is not None and values.numel():
+        if block_size is None:
+            values = values * scales[0]
+        else:
+            values = (values.view(-1, block_size) * scales[:, None]).reshape(-1)  # (n_blocks, block)
+    return values
 
 
 _E2M1_BYTES: dict[torch.device, torch.Tensor] = {}
@@ -333,27 +388,17 @@ def pack(tensor: torch.Tensor, fmt: str | Format, block_size: int | None = 32, r
         raise ValueError(f"pack needs a floating-point tensor; got {tensor.dtype}")
     block_size = _check_block_size(fmt, tensor.numel(), block_size)
     x = tensor.detach().reshape(-1).float()
-    if not fmt.block_scaled:
-        payload = _round_elementwise(x, fmt, rounding, generator)
-        # a float32 tensor packed to fp32 must not alias it (fake tensors have no data pointer to compare)
-        if payload.dtype == tensor.dtype and (_is_fake(tensor) or payload.data_ptr() == tensor.data_ptr()):
-            payload = payload.clone()
-        return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, None, payload, None)
-    if not _is_fake(x) and not torch.isfinite(x).all():
+    if fmt.block_scaled and not _is_fake(x) and not torch.isfinite(x).all():
         raise ValueError(f"cannot pack a tensor with inf or NaN values into {fmt.name} (block scales need finite "
                          "values)")
-    blocks = x.view(1, -1) if block_size is None else x.view(-1, block_size)  # (n_blocks, block)
-    if blocks.numel():
-        scales = blocks.abs().amax(dim=1) / fmt.max_normal
-    else:
-        scales = torch.zeros(blocks.shape[0], device=x.device)
-    divisor = torch.where(scales > 0, scales, 1.0)  # an all-zero block stays zero
-    y = (blocks / divisor[:, None]).clamp(-fmt.max_normal, fmt.max_normal).reshape(-1)
-    if fmt.name == "fp4_e2m1":
-        payload = _pack_nibbles(_round_e2m1(y, rounding, generator))
-    else:
-        payload = _round_elementwise(y, fmt, rounding, generator)
-    return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, block_size, payload, scales.to(SCALE_DTYPE))
+    noise = None
+    if rounding == "stochastic" and fmt.storage_dtype != torch.float32:
+        noise = draw_noise(x.numel(), fmt, generator, x.device)
+    payload, scales = encode(x, fmt, block_size, noise)
+    # a float32 tensor packed to fp32 must not alias it (fake tensors have no data pointer to compare)
+    if payload.dtype == tensor.dtype and (_is_fake(tensor) or payload.data_ptr() == tensor.data_ptr()):
+        payload = payload.clone()
+    return PackedTensor(fmt.name, tuple(tensor.shape), tensor.dtype, block_size, payload, scales)
 
 
 def write_range(payload: torch.Tensor, scales: torch.Tensor | None, packed: PackedTensor, start: int,

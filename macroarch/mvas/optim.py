@@ -1,14 +1,19 @@
 """``MVASAdamW``: AdamW (Loshchilov and Hutter 2019) whose weights and moments are stored in low precision.
 
-The Adam math is torch.optim.AdamW's, computed in fp32 one tensor at a time; what differs is storage:
+The Adam math is ``macroarch.optim.functional.adamw_update_``, the one every optimizer here runs, in fp32 one
+tensor at a time; this optimizer only chooses storage (each stored tensor is a ``PackedTensor``: a format, a
+payload and block scales), and ``macroarch.mvas.kernels.adamw_step`` does the whole step of a tensor in one
+fused kernel (decode m, sqrt(v) and the weight, update, encode, write back), compiled by ``torch.compile``
+unless ``compile=False`` or ``MACROARCH_COMPILE=0`` (the eager path, the reference of the tests):
 
 - **Weights.** A parameter managed by an MVAS store (an ``MVASWeight``, ``macroarch.mvas.tensor``) is read
-  dequantised from its packed storage and written back in its format with the weight's own ``write_range``
-  (its public storage API): with **stochastic rounding** (the default), so an
-  update smaller than the format's spacing still moves the weight in expectation (round-to-nearest would
-  drop it: the "lost update" of low-precision training), or, with ``master_weights=True``, from an fp32
-  master copy kept in the optimizer state and rounded to nearest. Other parameters are updated in place as
-  AdamW does (fp32 math, cast back to the parameter's dtype).
+  dequantised from its packed storage and written back in its format (then ``mark_written``): with
+  **stochastic rounding** (the default), so an update smaller than the format's spacing still moves the weight
+  in expectation (round-to-nearest would drop it: the "lost update" of low-precision training), or, with
+  ``master_weights=True``, from an fp32 master copy kept in the optimizer state and rounded to nearest. Other
+  parameters are updated in place as AdamW does (fp32 math, cast back to the parameter's dtype). The noise of
+  stochastic rounding is a counter-based hash of (seed, parameter index, step, element): reproducible from
+  the seed, the same compiled and eager, and resumed exactly from a state dict.
 - **Moments.** ``m`` and ``v`` of tensors with at least ``min_state_numel`` elements (4096, torchao's
   threshold) that ``state_block_size`` divides are block-quantised in ``state_format`` (fp8 e4m3, blocks of
   128 by default: 1.03 bytes per element each): ``m`` directly, ``v`` as ``sqrt(v)``, which halves its
@@ -23,9 +28,11 @@ inf or NaN anywhere skips the whole step (weights, packed or not, moments and st
 counts it in ``skipped_nonfinite`` (saved in ``state_dict``). The check is one sum per gradient
 (``macroarch.dgr.pipeline.all_finite``).
 
+**DTensor parameters** (FSDP2): the step updates each parameter's local shard (``to_local()``) and keeps its
+state local; the non-finite check sees the local gradients only.
+
 ``state_dict()`` / ``load_state_dict()`` round-trip exactly: torch casts floating state to the parameter's
-dtype on load, so the packed moments and the master copies are put back as they were saved, and the state
-of the stochastic-rounding generators is saved too (a resumed run draws the same roundings).
+dtype on load, so the packed moments and the master copies are put back as they were saved.
 """
 
 from __future__ import annotations
@@ -37,10 +44,11 @@ from typing import Any
 import torch
 
 from macroarch.dgr.pipeline import all_finite
-from macroarch.mvas import formats
-from macroarch.mvas.formats import PackedTensor, get_format, pack, write_range
+from macroarch.mvas import formats, kernels
+from macroarch.mvas.formats import get_format
 from macroarch.mvas.tensor import MVASWeight
 from macroarch.optim._state import restore_saved_state
+from macroarch.optim.functional import adamw_scalars, check_hyperparameters, local
 
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
 
@@ -70,40 +78,29 @@ class MVASAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_format: str = "fp8_e4m3",
                  state_block_size: int = 128, master_weights: bool = False, rounding: str = "stochastic",
-                 min_state_numel: int = 4096, seed: int | None = None) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"lr={lr} must be >= 0")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"betas={betas} must be two values in [0, 1)")
-        if not eps >= 0.0:
-            raise ValueError(f"eps={eps} must be >= 0")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+                 min_state_numel: int = 4096, seed: int | None = None, compile: bool | None = None) -> None:
+        lr, betas, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
         state_format = get_format(state_format).name  # raises on an unknown name, listing the known ones
         if not isinstance(state_block_size, int) or state_block_size < 1:
             raise ValueError(f"state_block_size={state_block_size!r} must be a positive int")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding={rounding!r} must be 'stochastic' or 'nearest'")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        for index, group in enumerate(self.param_groups):  # per-group overrides are checked like the defaults
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                  f"param_groups[{index}]")
         self.state_format = state_format
         self.state_block_size = state_block_size
         self.master_weights = master_weights
         self.rounding = rounding
         self.min_state_numel = min_state_numel
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self.compile = compile  # None: MACROARCH_COMPILE decides (macroarch.mvas.kernels)
         self.skipped_nonfinite = 0  # steps skipped for an inf/NaN gradient or loss
         self.step_was_skipped = False  # whether the last step() skipped (LR schedulers may hold back)
 
     # ------------------------------------------------------------------------------------------- storage
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed + len(self._generators))
-            self._generators[device] = g
-        return self._generators[device]
-
     def _quantised(self, p: torch.Tensor) -> bool:
         return (self.state_format != "fp32" and p.numel() >= self.min_state_numel
                 and (not get_format(self.state_format).block_scaled or p.numel() % self.state_block_size == 0))
@@ -112,27 +109,9 @@ class MVASAdamW(torch.optim.Optimizer):
     def _packed_state(state: dict) -> bool:
         return state["exp_avg"].dtype != torch.float32
 
-    def _load(self, state: dict, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``start:stop`` of a moment as float32: a view of dense state (updated in place), or decoded."""
-        value = state[key]
-        if not self._packed_state(state):
-            return value.view(-1)[start:stop]
-        fmt = get_format(self.state_format)
-        block = self.state_block_size if fmt.block_scaled else None
-        scales = state.get(key + "_scales")
-        packed = PackedTensor(fmt.name, (state["numel"],), torch.float32, block, value, scales)
-        dense = packed.dequantize_range(start, stop)
-        if key == "exp_avg_sq" and scales is not None:  # sqrt(v) that underflowed reads back as its block's floor
-            floor = scales[start // block:stop // block] * _min_subnormal(fmt.name)
-            dense = torch.maximum(dense.view(floor.numel(), -1), floor[:, None]).view(-1)
-        return dense
-
-    def _store(self, state: dict, key: str, start: int, stop: int, value: torch.Tensor) -> None:
-        packed = pack(value, self.state_format, self.state_block_size)
-        write_range(state[key], state.get(key + "_scales"), packed, start, stop)
-
-    def _init_state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
+    def _init_state(self, p: torch.Tensor, weight: torch.Tensor) -> dict:
+        """``p``'s state, shaped after ``weight`` (``p`` itself, or its local shard)."""
+        state, p = self.state[p], weight
         state["step"] = torch.tensor(0.0)
         if self._quantised(p):
             fmt = get_format(self.state_format)
@@ -159,87 +138,104 @@ class MVASAdamW(torch.optim.Optimizer):
             unit = math.lcm(unit, p.write_unit)
         return max(unit, formats.CHUNK_NUMEL // unit * unit)
 
-    # ------------------------------------------------------------------------------------------- step
+    def _spec(self, p: torch.Tensor, state: dict) -> kernels.StepSpec:
+        """How ``p`` (a local tensor) and its moments are stored: the static part of its kernel."""
+        packed_state = self._packed_state(state)
+        state_fmt = get_format(self.state_format) if packed_state else get_format("fp32")
+        state_block = self.state_block_size if state_fmt.block_scaled else None
+        if isinstance(p, MVASWeight):
+            weight_fmt = get_format(p.format)
+            weight_format, weight_block = weight_fmt.name, p.block_size if weight_fmt.block_scaled else None
+        else:
+            weight_format, weight_block = "dense", None
+        return kernels.StepSpec(weight_format, weight_block, self.rounding == "stochastic" and "master" not in state,
+                                "master" in state, state_fmt.name, state_block,
+                                _min_subnormal(state_fmt.name) if state_block is not None else 0.0)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
         self.step_was_skipped = (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or (
             not all_finite(grads))
         if self.step_was_skipped:
             self.skipped_nonfinite += 1
             return loss
+        index = -1
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("MVASAdamW does not support sparse gradients")
-                state = self.state[p] if self.state[p] else self._init_state(p)
-                state["step"] += 1
-                t = float(state["step"])
-                bias1, bias2 = 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)
-                managed = isinstance(p, MVASWeight)
-                rounding = "nearest" if "master" in state else self.rounding
-                generator = self._generator(p.device) if managed and rounding == "stochastic" else None
-                packed_state = self._packed_state(state)
-                grad, flat_p = p.grad.reshape(-1), p.view(-1) if not managed else None
-                chunk, n = self._chunk(p, state), p.numel()
-                # large tensors are updated a chunk at a time: the float32 temporaries of the update (about ten
-                # of them) stay bounded instead of growing with the tensor
-                for start in range(0, n, chunk):
-                    stop = min(start + chunk, n)
-                    g = grad[start:stop].float()
-                    m = self._load(state, "exp_avg", start, stop)
-                    v = self._load(state, "exp_avg_sq", start, stop)
-                    if packed_state:
-                        v.square_()  # stored as sqrt(v)
-                    m.lerp_(g, 1.0 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                    denom = (v.sqrt() / bias2).add_(eps)
-                    if managed:
-                        w = (state["master"].view(-1)[start:stop] if "master" in state
-                             else p.dequantize_range(start, stop))
-                    else:
-                        w = flat_p[start:stop] if p.dtype == torch.float32 else flat_p[start:stop].float()
-                    w.mul_(1.0 - lr * wd).addcdiv_(m, denom, value=-lr / bias1)
-                    if managed:
-                        p.write_range(start, stop, w, rounding, generator)
-                    elif p.dtype != torch.float32:
-                        flat_p[start:stop] = w
-                    if packed_state:
-                        self._store(state, "exp_avg", start, stop, m)
-                        self._store(state, "exp_avg_sq", start, stop, v.sqrt_())
+                self._step_tensor(p, index, lr, beta1, beta2, eps, wd)
         return loss
+
+    def _step_tensor(self, p: torch.Tensor, index: int, lr: float, beta1: float, beta2: float, eps: float,
+                     wd: float) -> None:
+        """One parameter's update, a chunk of about ``CHUNK_NUMEL`` elements per kernel call: the float32
+        temporaries of the update stay bounded instead of growing with the tensor."""
+        weight, grad = local(p), local(p.grad).reshape(-1)
+        state = self.state[p] if self.state[p] else self._init_state(p, weight)
+        state["step"] += 1
+        step = float(state["step"])
+        scalars = torch.tensor(adamw_scalars(step, lr, beta1, beta2, eps, wd), dtype=torch.float64)
+        spec = self._spec(weight, state)
+        key = kernels.stream_key(self.seed, index, weight.numel(), int(step))
+        managed = isinstance(weight, MVASWeight)
+        master = state["master"].view(-1) if "master" in state else None
+        flat = None if managed else weight.view(-1)
+        n, chunk = weight.numel(), self._chunk(weight, state)
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            if managed:
+                w = _slice(weight.payload, weight.scales, spec.weight_format, spec.weight_block, start, stop)
+            else:
+                w = (flat[start:stop], None)
+            moments = [_slice(state[key_], state.get(key_ + "_scales"), spec.state_format, spec.state_block, start,
+                              stop) for key_ in ("exp_avg", "exp_avg_sq")]
+            kernels.adamw_step(grad[start:stop], w, None if master is None else master[start:stop], *moments,
+                               torch.tensor([key, start]), scalars, spec, compile=self.compile)
+        if managed:
+            weight.mark_written()
 
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["mvas_generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
         sd["mvas_seed"] = self.seed
         sd["mvas_skipped_nonfinite"] = self.skipped_nonfinite
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        generators = state_dict.pop("mvas_generators", {})
+        state_dict.pop("mvas_generators", None)  # written by versions that drew noise from torch generators
         seed = state_dict.pop("mvas_seed", self.seed)
         self.skipped_nonfinite = int(state_dict.pop("mvas_skipped_nonfinite", 0))
         super().load_state_dict(state_dict)
         restore_saved_state(self, state_dict, _EXACT_KEYS)  # torch cast them to each parameter's dtype
         self.seed = seed
-        self._generators = {}
-        for device, rng in generators.items():
-            g = torch.Generator(device=device)
-            g.set_state(rng)
-            self._generators[torch.device(device)] = g
 
     def state_bytes(self) -> int:
         """Bytes of the moments (payloads and scales) held now, masters excluded."""
         return sum(v.numel() * v.element_size() for s in self.state.values() for k, v in s.items()
                    if k.startswith("exp_avg") and torch.is_tensor(v))
 
+
+
+def _slice(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, block: int | None, start: int,
+           stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Elements ``start:stop`` of a flat stored tensor: views of its payload (fp4: two per byte; dense: the
+    tensor itself) and of its scales (whole blocks; all of them for one scale per tensor)."""
+    payload = payload.view(-1)
+    if fmt == "fp4_e2m1":
+        payload = payload[start // 2:(stop + 1) // 2]
+    else:
+        payload = payload[start:stop]
+    if scales is not None and block is not None:
+        scales = scales[start // block:stop // block]
+    return payload, scales
