@@ -6,7 +6,10 @@
 - ``scale``: ``NormGradScaler``, the post's gradient scale used as a loss scale (beside ``torch.amp.GradScaler``);
 - ``spike_guard``: ``LossSpikeGuard``, "loss moves by more than 15% -> act";
 - ``recipe``: the LR multiplier (1.2-1.5x) and the warmup extension (+30%) as functions for torch schedulers;
-- ``master_adamw``: ``MasterWeightAdamW``, bf16/fp16 weights with an fp32 master copy (the mixed-precision baseline).
+- ``master_adamw``: ``MasterWeightAdamW``, bf16/fp16 weights with an fp32 master copy (the mixed-precision baseline):
+  ``CompensatedAdamW(master_weights=True)`` with its state created up front;
+- ``functional``: the AdamW step written once (``adamw_step_``, ``adamw_update_``) and its argument check, run by
+  every optimizer here and by ``macroarch.mvas.MVASAdamW``'s fused kernel.
 """
 
 from macroarch.optim.compensated_adamw import (
@@ -15,6 +18,7 @@ from macroarch.optim.compensated_adamw import (
     CompensatedAdamW,
     global_grad_norm,
 )
+from macroarch.optim.functional import adamw_scalars, adamw_step_, adamw_update_, check_hyperparameters
 from macroarch.optim.master_adamw import MasterWeightAdamW
 from macroarch.optim.recipe import (
     POST_LR_MULTIPLIERS,
@@ -37,6 +41,10 @@ __all__ = [
     "POST_TARGET",
     "POST_WARMUP_EXTENSION",
     "CompensatedAdamW",
+    "adamw_scalars",
+    "adamw_step_",
+    "adamw_update_",
+    "check_hyperparameters",
     "LossSpikeGuard",
     "NormGradScaler",
     "NormScaleConfig",

@@ -1,7 +1,8 @@
 """``CompensatedAdamW``: AdamW with the post's mixed-precision rules (section 4.1) and training guards (5.1).
 
-With every option off this *is* ``torch.optim.AdamW`` (Loshchilov & Hutter 2019): the update is torch's own
-functional ``adam(..., decoupled_weight_decay=True)`` on the parameters and moments as they are. The options:
+With every option off this *is* ``torch.optim.AdamW`` (Loshchilov & Hutter 2019), bitwise: the update is
+``macroarch.optim.functional.adamw_step_`` (the one AdamW of this project, op for op torch's single-tensor path)
+on the parameters and moments as they are, one tensor at a time. The options:
 
 - ``accumulation_steps=k``: call ``step()`` after every backward (every micro-batch); the first ``k - 1``
   calls move ``.grad`` into an accumulation buffer (and set ``.grad`` to None), the ``k``-th updates with
@@ -14,7 +15,8 @@ functional ``adam(..., decoupled_weight_decay=True)`` on the parameters and mome
   Without it everything stays in the parameter's dtype, which is what ``torch.optim.AdamW`` on a
   ``model.bfloat16()`` does (the accumulation buffer is then 16-bit, like autograd's own ``.grad``).
   ``"auto"`` applies the post's rule: a master copy when ``accumulation_steps >= 4``. fp32 parameters are
-  their own master and never get a copy.
+  their own master and never get a copy. ``MasterWeightAdamW`` (``macroarch.optim.master_adamw``) is this
+  optimizer with ``master_weights=True`` and its state created up front.
 - ``grad_scale``: ``"norm"`` (or a ``NormGradScaler`` to share, e.g. across DGR groups) is the post's
   ``2^5 / max_grad_norm`` used as a loss scale (``macroarch.optim.scale``): ``opt.scale_loss(loss).backward()``,
   and ``step()`` divides the scale back out (or ``unscale_()`` does it earlier, before gradients are clipped,
@@ -35,6 +37,9 @@ the skip is counted in ``stats["skipped_nonfinite"]`` (saved in ``state_dict``).
 whose stored weight (the master if there is one, else the parameter) did not change: updates that round to
 zero. ``stats`` holds the counts.
 
+**DTensor parameters** (FSDP2): each update runs on the local shard (``to_local()``) with local state; the
+non-finite check and the gradient norm of ``grad_scale`` see the local gradients only.
+
 Deviations: no amsgrad, no fused kernel, no capturable/differentiable modes. Under DGR (``DGRWrapper.optimizer``)
 the per-parameter state is saved by the DGR optimizer's ``state_dict`` but torch's ``load_state_dict`` there
 casts master copies to the parameter dtype, and this optimizer's own counters, scaler and guard are not in it:
@@ -49,11 +54,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.optim.adam import adam
 
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.dgr.pipeline import all_finite
 from macroarch.optim._state import restore_saved_state
+from macroarch.optim.functional import adamw_step_, check_hyperparameters, local
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
 
@@ -63,16 +68,6 @@ AUTO_MASTER_MIN_ACCUMULATION = 4
 """The post's rule: keep an fp32 master copy from this many accumulation steps on."""
 
 _FLOAT_STATE = ("master", "exp_avg", "exp_avg_sq", "grad_accum")
-
-
-def _number(name: str, value: Any, *, hi: float | None = None) -> float:
-    """``value`` as a float in ``[0, hi)`` (``[0, inf)`` without ``hi``), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
-    if value < 0 or (hi is not None and value >= hi):
-        raise ValueError(f"{name}={value!r} must lie in [0, {hi:g})" if hi is not None else
-                         f"{name}={value!r} must be >= 0")
-    return float(value)
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> float:
@@ -97,6 +92,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         delay_compensation: None or a ``GradientCompensator``.
         spike_guard: None or a (shared) ``LossSpikeGuard``.
         count_lost_updates: count updates that round to zero into ``stats`` (a copy of each weight per update).
+        master_dtype: dtype of the master copies, and of the moments and accumulation buffers of parameters
+            that have one (a floating dtype wider than the parameters).
     """
 
     def __init__(
@@ -113,13 +110,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
         delay_compensation: GradientCompensator | None = None,
         spike_guard: LossSpikeGuard | None = None,
         count_lost_updates: bool = False,
+        master_dtype: torch.dtype = MASTER_DTYPE,
     ) -> None:
-        lr = _number("lr", lr)
-        if not (isinstance(betas, tuple | list) and len(betas) == 2):
-            raise ValueError(f"betas={betas!r} must be a pair (beta1, beta2)")
-        betas = (_number("betas[0]", betas[0], hi=1.0), _number("betas[1]", betas[1], hi=1.0))
-        eps = _number("eps", eps)
-        weight_decay = _number("weight_decay", weight_decay)
+        lr, betas, eps, weight_decay = check_hyperparameters(lr, betas, eps, weight_decay)
+        if not isinstance(master_dtype, torch.dtype) or not master_dtype.is_floating_point:
+            raise ValueError(f"master_dtype={master_dtype!r} must be a floating-point torch.dtype")
         if master_weights not in ("auto", True, False):
             raise ValueError(f"master_weights={master_weights!r} must be 'auto', True or False")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -136,9 +131,10 @@ class CompensatedAdamW(torch.optim.Optimizer):
             raise ValueError(f"spike_guard={spike_guard!r} must be a LossSpikeGuard or None")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for index, group in enumerate(self.param_groups):  # per-group overrides are checked like the defaults
-            _number(f"param_groups[{index}]['lr']", group["lr"])
-            _number(f"param_groups[{index}]['weight_decay']", group["weight_decay"])
-        self.master_weights = master_weights
+            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                  f"param_groups[{index}]")
+        self.master_rule = master_weights  # (not ``master_weights``: MasterWeightAdamW's method has that name)
+        self.master_dtype = master_dtype
         self.accumulation_steps = accumulation_steps
         self.grad_scaler: NormGradScaler | None = grad_scale
         self.compensator = delay_compensation
@@ -159,13 +155,18 @@ class CompensatedAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------ public API
     def uses_master(self, p: torch.Tensor) -> bool:
         """Whether ``p`` gets an fp32 master copy under this optimizer's ``master_weights`` rule."""
-        if p.dtype not in LOW_PRECISION or self.master_weights is False:
+        if p.dtype not in LOW_PRECISION or self.master_rule is False:
             return False
-        return self.master_weights is True or self.accumulation_steps >= AUTO_MASTER_MIN_ACCUMULATION
+        return self.master_rule is True or self.accumulation_steps >= AUTO_MASTER_MIN_ACCUMULATION
 
     def master_weight(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s fp32 master copy, or None (no copy, or not created yet: copies appear at the first update)."""
         return self.state.get(p, {}).get("master")
+
+    @property
+    def skipped_nonfinite(self) -> int:
+        """Updates skipped for an inf or NaN (``stats["skipped_nonfinite"]``)."""
+        return self.stats["skipped_nonfinite"]
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the gradient scale (unchanged without ``grad_scale``); call ``.backward()`` on it."""
@@ -291,32 +292,33 @@ class CompensatedAdamW(torch.optim.Optimizer):
     def _accumulate(self, p: torch.Tensor) -> None:
         """Add ``p.grad`` to the accumulation buffer: fp32 with a master copy, else ``p``'s dtype (as autograd)."""
         state = self.state[p]
-        buffer = state.get("grad_accum")
+        buffer, grad = state.get("grad_accum"), local(p.grad)
         if buffer is None:
-            dtype = MASTER_DTYPE if self.uses_master(p) else p.dtype
-            state["grad_accum"] = p.grad.detach().to(dtype, copy=True)
+            dtype = self.master_dtype if self.uses_master(p) else p.dtype
+            state["grad_accum"] = grad.detach().to(dtype, copy=True)
         else:
-            buffer.add_(p.grad)
+            buffer.add_(grad)
 
     def _take_grad(self, p: torch.Tensor) -> torch.Tensor | None:
         """The summed, still scaled gradient of this update (the buffer plus the last micro-batch), or None."""
         buffer = self.state[p].pop("grad_accum", None) if p in self.state else None
         if buffer is None:
-            return p.grad
+            return local(p.grad)
         if p.grad is not None:
-            buffer.add_(p.grad)
+            buffer.add_(local(p.grad))
         return buffer
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if "step" not in state:
             master = self.uses_master(p)
-            dtype = MASTER_DTYPE if master else p.dtype
+            weight = local(p)
+            dtype = self.master_dtype if master else p.dtype
             state["step"] = torch.tensor(0.0, dtype=torch.float32)  # torch.optim.AdamW's (non-capturable) counter
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(weight, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(weight, dtype=dtype, memory_format=torch.preserve_format)
             if master:
-                state["master"] = p.detach().to(MASTER_DTYPE, copy=True)
+                state["master"] = weight.detach().to(self.master_dtype, copy=True)
         return state
 
     def _update(self) -> None:
@@ -354,39 +356,31 @@ class CompensatedAdamW(torch.optim.Optimizer):
 
     def _step_group(self, group: dict[str, Any], first: int, grads: dict[int, torch.Tensor], divisor: float,
                     w_then: dict[int, torch.Tensor] | None, lr_factor: float) -> None:
-        """AdamW on one param group; ``grads`` are keyed by flat parameter index (``first`` is the group's)."""
-        targets, group_grads, exp_avgs, exp_avg_sqs, steps, watched, rounded = [], [], [], [], [], [], []
+        """AdamW on one param group, one tensor at a time (the fp32 copy of a 16-bit gradient is a transient of
+        one tensor); ``grads`` are keyed by flat parameter index (``first`` is the group's)."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"] * lr_factor if lr_factor != 1.0 else group["lr"]
         for i, p in enumerate(group["params"], start=first):
             if i not in grads:
                 continue
             state = self._init_state(p)
-            target = state.get("master", p)
+            weight = local(p)
+            target = state.get("master", weight)
             g = grads[i]
             if divisor != 1.0 or g.dtype != target.dtype:
-                g = (g.to(MASTER_DTYPE) / divisor).to(target.dtype)  # mean over micro-batches, unscaled
+                g = (g.to(self.master_dtype) / divisor).to(target.dtype)  # mean over micro-batches, unscaled
             if w_then is not None:
                 g = self.compensator.compensate(f"{i}", g, target, w_then[i])
-            if target is not p:
-                rounded.append((p, target))
             if self.count_lost_updates:
-                watched.append((p, target, target.clone(), p.clone() if target is not p else None, state))
-            targets.append(target)
-            group_grads.append(g)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if not targets:
-            return
-        beta1, beta2 = group["betas"]
-        lr = group["lr"] * lr_factor if lr_factor != 1.0 else group["lr"]
-        adam(targets, group_grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, fused=None,
-             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=lr,
-             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-        for p, master in rounded:
-            p.copy_(master)  # round the updated master copy into the 16-bit weight
-        for p, target, before, p_before, state in watched:
-            due = state["exp_avg"] != 0  # an update was due: the first moment is nonzero
-            self.stats["due_elements"] += int(due.sum())
-            self.stats["lost_elements"] += int((due & (target == before)).sum())
-            unchanged = p == (p_before if p_before is not None else before)
-            self.stats["stalled_elements"] += int((due & unchanged).sum())
+                before, weight_before = target.clone(), weight.clone() if target is not weight else None
+            state["step"] += 1
+            adamw_step_(target, g, state["exp_avg"], state["exp_avg_sq"], step=state["step"].item(), lr=lr,
+                        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+            if target is not weight:
+                weight.copy_(target)  # round the updated master copy into the 16-bit weight
+            if self.count_lost_updates:
+                due = state["exp_avg"] != 0  # an update was due: the first moment is nonzero
+                self.stats["due_elements"] += int(due.sum())
+                self.stats["lost_elements"] += int((due & (target == before)).sum())
+                unchanged = weight == (weight_before if weight_before is not None else before)
+                self.stats["stalled_elements"] += int((due & unchanged).sum())
