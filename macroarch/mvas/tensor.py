@@ -14,7 +14,11 @@ module (a tied head written as ``F.linear(h, emb.weight)``), under ``torch.autoc
 and ``torch.compile`` (``__tensor_flatten__`` / ``__tensor_unflatten__`` let AOTAutograd trace through it).
 Exceptions, all cheap:
 
-- *views* (``t``, ``transpose``, ``view``, ``slice``, ``split`` ...) and ``detach`` return another
+- a view that is a contiguous run of whole blocks (and whole fp4 bytes) of the flat storage (``chunk``,
+  ``split``, ``narrow`` or ``slice`` on dim 0 at block boundaries, ``view`` / ``reshape`` / ``as_strided`` of
+  the whole weight) is a weight on that run of the payload and scales: no views to replay, and writable (a
+  ``copy_`` into it writes the weight's storage). This is what FSDP2 shards (``macroarch.mvas.fsdp``);
+- other *views* (``t``, ``transpose``, slices inside blocks ...) and ``detach`` return another
   ``MVASWeight`` on the same storage that remembers the view ops and replays them after dequantising. So the
   tensor autograd saves for backward (``F.linear`` saves ``weight.t()``) is a packed view, and backward
   dequantises again: the dense weight lives for one op, never across the step;
@@ -47,16 +51,20 @@ process that imported ``macroarch.mvas``. Loading validates the scales (finite, 
 ``format``, ``block_size``, ``packed()``, ``dequantize()``, ``dequantize_range()``, ``write()``,
 ``write_range()``, ``write_unit``, ``repack()``, and ``mark_written()`` after writing the payload directly. An
 optimizer that writes through it declares ``supports_mvas_weights = True``.
-FSDP2 (issue 18) extends this type: ``fsdp_pre_all_gather`` returns ``(payload, scales)`` of the local shard and
-``(format, block_size)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and scales in an
-``MVASWeight`` (dequantised on use as here); dim-0 shards must then be whole blocks of the flat payload.
+**FSDP2** (``macroarch.mvas.fsdp``, issue 18): ``fsdp_pre_all_gather`` returns the local shard's ``(payload,
+scales)`` and ``(format, block_size, shape)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and
+scales in an ``MVASWeight`` (dequantised on use as here); dim-0 shards must be whole blocks of the flat payload.
+While ``fsdp.sharding()`` is on (``fsdp.fully_shard``), ``is_contiguous()`` is True for a weight that is no view
+and ``new_zeros`` / ``new_empty`` give packed zero weights (FSDP2's shard buffers); otherwise both are as above.
+The optimizer-step pre-hook also looks inside DTensors (a sharded weight's local tensor).
 
 Dispatch modes (``MemTracker``, op counters) see the outer op with an ``MVASWeight`` argument; one that returns
 ``NotImplemented`` for it sees the dequantisation and the dense op instead, as they run (the memory accounting
 of ``macroarch.measure.memory.measured`` does, so the transient dense weight is counted).
 
 Limitations: a weight must be the first argument of a view op to stay packed (other reads are dense); writes
-through a view raise.
+through a view that replays view ops raise. Weights on a run of another's storage (whole-block slices) have their
+own autograd version counter: a write through one does not stop a backward that saved the other.
 """
 
 from __future__ import annotations

@@ -75,7 +75,19 @@ def rank_checks(fmt):
             weights[name]["codes_differing"] = int((local.payload.view(torch.uint8) != rows.view(torch.uint8)).sum())
             weights[name]["moment_bytes"] = sum(v.numel() * v.element_size() for k, v in opt.state[local].items()
                                                 if k.startswith("exp_avg"))
+    # FSDP2's mixed precision: gathered packed, the unsharded weight computes in bf16
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mixed = build(fmt)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for module in (mixed[0], mixed[2], mixed):
+        mvas_fsdp.fully_shard(module, mp_policy=policy)
+    seen = []
+    mixed[0].register_forward_pre_hook(lambda module, args: seen.append(repr(module.weight)))
+    out = mixed(batches[0])
+    expected = build(fmt).to(torch.bfloat16)(batches[0].to(torch.bfloat16))
     return {"losses": losses, "reference_losses": reference_losses, "weights": weights,
+            "mixed": {"unsharded": seen, "dtype": str(out.dtype), "max_diff": (out - expected).abs().max().item()},
             "bytes": measure_fsdp(d_model=64, n_layers=2, tokens=8, steps=2, weight_format=fmt, block_size=32)}
 
 
@@ -99,6 +111,14 @@ def test_fsdp2_with_packed_weights_trains_as_one_process_does(two_ranks):
                 assert w["codes_differing"] <= 2, (name, w)  # a rounding tie flipped by summation order, at most
                 assert w["moment_bytes"] == 2 * (1024 + 1024 // 128 * 4)  # fp8 moments of the shard, and scales
             assert w["max_diff"] <= 0.1, (name, w)
+
+
+@pytest.mark.distributed
+def test_mixed_precision_gathers_packed_and_computes_in_bf16(two_ranks):
+    for mixed in (r["mixed"] for r in two_ranks):
+        weight = "MVASWeight(fp8_e4m3, block 16, shape (64, 32), dtype torch.bfloat16, device cpu, requires_grad)"
+        assert mixed["unsharded"] == [weight]  # the whole weight, still packed, during the forward
+        assert mixed["dtype"] == "torch.bfloat16" and mixed["max_diff"] == 0.0
 
 
 @pytest.mark.distributed
