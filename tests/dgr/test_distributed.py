@@ -171,7 +171,7 @@ def equalities() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_lm()
     data = token_batches(rank, STEPS)
-    out = {
+    return {
         "ddp_adamw": _ddp_dgr(model, data, torch.optim.AdamW, {}),
         "ddp_adamw_buckets": _ddp_dgr(model, data, torch.optim.AdamW,
                                       {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}),
@@ -179,12 +179,40 @@ def equalities() -> dict:
         "naive_vs_ddp": _naive_ddp_dgr(model, data),
         "fsdp_adamw": _fsdp_dgr(model, data, torch.optim.AdamW),
         "compensated_global_batch": _compensated_global_batch(model, rank, world),
+        "fsdp_compensated": _fsdp_dgr(model, data, CompensatedAdamW),
+        "refusals": _refusals(model, data),
     }
-    try:
-        out["fsdp_compensated"] = _fsdp_dgr(model, data, CompensatedAdamW)
-    except Exception as exc:  # CompensatedAdamW on DTensors is being made to work elsewhere
-        out["fsdp_compensated"] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+
+
+def _refusals(model, data) -> dict:
+    """What the entry points refuse, each error message as raised."""
+    from macroarch.dgr import DGRWrapper
+    from macroarch.dgr.distributed import data_parallel, fully_shard_groups, regroup
+
+    out = {}
+    example = {"input_ids": data[0], "labels": data[0]}
+    attempts = {
+        "accumulation": lambda: data_parallel(DGRWrapper(copy.deepcopy(model), group_size=1, accumulation_steps=2,
+                                                         example_inputs=example), torch.optim.AdamW),
+        "no_groups": lambda: fully_shard_groups(DGRWrapper(copy.deepcopy(model), group_size=1), torch.optim.AdamW),
+        "has_optimizer": lambda: data_parallel(_with_optimizer(model, example), torch.optim.AdamW),
+        "regroup_other_model": lambda: regroup(_wrapper(model, data[0]).grouping, nn.Linear(2, 2)),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
     return out
+
+
+def _with_optimizer(model, example):
+    from macroarch.dgr import DGRWrapper
+
+    wrapper = DGRWrapper(copy.deepcopy(model), group_size=1, example_inputs=example)
+    wrapper.optimizer(torch.optim.AdamW, lr=LR)
+    return wrapper
 
 
 def rank_dies(strategy: str, die_at_step: int) -> dict | None:
@@ -262,11 +290,17 @@ def test_fsdp2_with_dgr_sync_equals_fsdp2_bitwise(ranks):
         assert len(f["inside"]) == STEPS * f["groups"] and all(f["inside"])  # each group steps within backward
 
 
-def test_compensated_adamw_under_fsdp2(ranks):
-    f = ranks[0]["fsdp_compensated"]
-    if "error" in f:
-        pytest.xfail(f"CompensatedAdamW on FSDP2's DTensor parameters: {f['error']}")
-    assert f["vs_fsdp"] == 0.0
+def test_compensated_adamw_per_group_under_fsdp2_equals_fsdp2(ranks):
+    for r in ranks:
+        assert r["fsdp_compensated"]["vs_fsdp"] == 0.0 and all(r["fsdp_compensated"]["inside"])
+
+
+def test_what_cannot_work_across_processes_is_refused_with_a_reason(ranks):
+    e = ranks[0]["refusals"]
+    assert "accumulation_steps=2" in e["accumulation"]
+    assert "no groups yet" in e["no_groups"]
+    assert "already has an optimizer" in e["has_optimizer"]
+    assert "not parameters of Linear" in e["regroup_other_model"]
 
 
 def test_compensated_adamw_under_ddp_equals_one_process_on_the_global_batch(ranks):
