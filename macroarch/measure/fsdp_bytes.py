@@ -134,17 +134,15 @@ def measure_fsdp(d_model: int = 64, n_layers: int = 2, tokens: int = 8, steps: i
         for layer in model:
             shard(layer)
         shard(model)
-        if name == "mvas":
-            shards = mvas_fsdp.LocalShards(model.parameters())
-            optimizer: torch.optim.Optimizer = MVASAdamW(shards.tensors, lr=lr, rounding="nearest",
+        if name == "mvas":  # each rank's moments quantised on its shard
+            optimizer: torch.optim.Optimizer = MVASAdamW(model.parameters(), lr=lr, rounding="nearest",
                                                           min_state_numel=0, seed=0)
         else:
-            shards, optimizer = None, torch.optim.AdamW(model.parameters(), lr=lr)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         with count_collectives() as log:
             for x in batches:
+                optimizer.zero_grad(set_to_none=True)  # before, not after: the step's gradients are measured
                 model(x.to(torch.bfloat16)).float().square().mean().backward()
-                if shards is not None:
-                    shards.sync_grads()
                 optimizer.step()
         held = rank_bytes(model, optimizer)
         out[name] = {**held, "all_gather_bytes_per_step": log.all_gather_bytes // steps,

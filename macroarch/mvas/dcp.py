@@ -18,13 +18,14 @@ other, another format, another block size), another shape, or optimizer state wh
 dividing the shard), so the moments of some world sizes cannot be carried to others; load the weights alone
 (``optimizer=None``) then. Other entries are DCP's (dense tensors, DTensors) and reshard as usual.
 
-Deviation: optimizer state is reached through the optimizer's ``state`` dict keyed by each rank's local tensors
-(``fsdp.LocalShards``) or by the parameters; an optimizer with no state yet gets it from ``_init_state`` (the
-``MVASAdamW`` internals) before a load, a stopgap until optimizers take DTensors.
+Deviation: optimizer state is reached through the optimizer's ``state`` dict, keyed by the parameters (DTensors
+under FSDP2, as ``MVASAdamW`` keys them) or by their local tensors (``fsdp.LocalShards``); an optimizer with no
+state yet gets it from its ``_init_state`` (``MVASAdamW``'s internals) before a load, until it has a public one.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from typing import Any
@@ -80,7 +81,8 @@ def ensure_state(optimizer: torch.optim.Optimizer) -> None:
                 if init is None:
                     raise ValueError(f"{type(optimizer).__name__} has no state to load into yet (take one step, or "
                                      "load the weights alone with optimizer=None)")
-                init(t)
+                # MVASAdamW's takes the parameter and its local tensor (a DTensor's shard); older ones the parameter
+                init(t, _local(t)) if len(inspect.signature(init).parameters) >= 2 else init(t)
 
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:

@@ -53,30 +53,27 @@ def _sharded(seed):
     mvas_fsdp.fully_shard(model[0])
     mvas_fsdp.fully_shard(model[2])
     mvas_fsdp.fully_shard(model)
-    shards = mvas_fsdp.LocalShards(model.parameters())
-    return model, shards, optimizer(shards.tensors), dist.get_rank()
+    return model, optimizer(list(model.parameters())), dist.get_rank()  # MVASAdamW steps DTensors' local shards
 
 
 def rank_save(path, path_ws):
     """Train 2 steps on 2 ranks, save; also save moments of a layout another world size cannot take."""
-    model, shards, opt, rank = _sharded(0)
+    model, opt, rank = _sharded(0)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
     for _ in range(2):
         model(x).square().mean().backward()
-        shards.sync_grads()
         opt.step()
         opt.zero_grad()
-        model.zero_grad()
     mvas_dcp.save(path, model, opt)
     # shards of 1024 elements: below min_state_numel=2048 each rank keeps dense moments; one rank packs them
-    wide = optimizer(shards.tensors, min_state_numel=2048)
+    wide = optimizer(list(model.parameters()), min_state_numel=2048)
     mvas_dcp.ensure_state(wide)
     mvas_dcp.save(path_ws, model, wide)
     return snapshot(model, opt)
 
 
 def rank_load(path):
-    model, shards, opt, rank = _sharded(1)  # other initial weights: everything must come from the checkpoint
+    model, opt, rank = _sharded(1)  # other initial weights: everything must come from the checkpoint
     mvas_dcp.load(path, model, opt)
     return snapshot(model, opt)
 

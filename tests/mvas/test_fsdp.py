@@ -51,16 +51,13 @@ def rank_checks(fmt):
     model = build(fmt)
     for module in (model[0], model[2], model):
         mvas_fsdp.fully_shard(module)
-    shards = mvas_fsdp.LocalShards(model.parameters())
-    opt = optimizer(shards.tensors)
+    opt = optimizer(list(model.parameters()))  # MVASAdamW steps each DTensor's local shard
     losses = []
     for x in batches:
         loss = model(x.chunk(world)[rank]).square().mean()
         loss.backward()
-        shards.sync_grads()
         opt.step()
         opt.zero_grad()
-        model.zero_grad(set_to_none=True)
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
@@ -73,7 +70,7 @@ def rank_checks(fmt):
         if isinstance(local, MVASWeight):  # the shard's codes against the reference's rows of this rank
             rows = r.payload.view(r.shape[0], -1).chunk(world)[rank].reshape(-1)
             weights[name]["codes_differing"] = int((local.payload.view(torch.uint8) != rows.view(torch.uint8)).sum())
-            weights[name]["moment_bytes"] = sum(v.numel() * v.element_size() for k, v in opt.state[local].items()
+            weights[name]["moment_bytes"] = sum(v.numel() * v.element_size() for k, v in opt.state[p].items()
                                                 if k.startswith("exp_avg"))
     # FSDP2's mixed precision: gathered packed, the unsharded weight computes in bf16
     from torch.distributed.fsdp import MixedPrecisionPolicy
