@@ -5,7 +5,9 @@ result.json and the W&B run, the W&B run's evidence artifact, and the paper buil
 """
 
 import pytest
+import torch
 
+from macroarch.experiments.hardware import auto_compute_dtype, native_bf16_cpu
 from macroarch.repro import notebook as nbparams
 from macroarch.repro import paper, runner
 from macroarch.repro.claims import GRADES
@@ -50,6 +52,15 @@ def test_notebook_runs_under_ci_profile(job, isolated):
         assert names <= set(w.config), f"{claim}: the W&B config lacks {sorted(names - set(w.config))}"
         assert {n: w.config[n] for n in names} == {n: r["config"][n] for n in names}
         assert w.config["machine"]["cpu_capability"] and r["config"]["profile"] == "ci"
+        # The CPU the run was measured on and the dtype it computed in (issue 20): "auto" is resolved for this
+        # machine before the run starts, and both land in result.json and W&B alike.
+        machine = r["config"]["machine"]
+        assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        assert machine["native_bf16"] == native_bf16_cpu()
+        if "compute_dtype" in names:
+            default = nbparams.notebook_parameters(job.stem)["compute_dtype"].default
+            expected = auto_compute_dtype() if default == "auto" else default
+            assert r["config"]["compute_dtype"] == w.config["compute_dtype"] == expected
         assert (w.group, w.job_type) == ("ci", job.stem)
 
         # The run's evidence artifact holds this run's executed notebook and result.json (issue 19).
