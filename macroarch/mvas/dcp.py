@@ -19,7 +19,7 @@ dividing the shard), so the moments of some world sizes cannot be carried to oth
 (``optimizer=None``) then. Other entries are DCP's (dense tensors, DTensors) and reshard as usual.
 
 Deviation: optimizer state is reached through the optimizer's ``state`` dict, keyed by the parameters (DTensors
-under FSDP2, as ``MVASAdamW`` keys them) or by their local tensors (``fsdp.LocalShards``); an optimizer with no
+under FSDP2, as ``MVASAdamW`` keys them) or by their local tensors; an optimizer with no
 state yet gets it from its ``_init_state`` (``MVASAdamW``'s internals) before a load, until it has a public one.
 """
 

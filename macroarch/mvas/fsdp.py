@@ -17,9 +17,9 @@ Through FSDP2's tensor-subclass extension points (the mechanism of torchao's fp8
   compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype`` when set), **dequantised on every read** as any
   managed weight is; FSDP2 frees and re-fills the gathered storage each step and the weight keeps reading it.
 
-Gradients are FSDP2's: dense, reduce-scattered in the compute (or ``reduce_dtype``) dtype. An optimizer that
-writes packed storage updates each rank's local shard (``p._local_tensor``, an ``MVASWeight``), which the next
-all-gather reads; its moments are then the shard's size, kept on that rank.
+Gradients are FSDP2's: dense, reduce-scattered in the compute (or ``reduce_dtype``) dtype. ``MVASAdamW`` updates
+each rank's local shard (``p.to_local()``, an ``MVASWeight``) in place, which the next all-gather reads; its moments
+are the shard's size, quantised and kept on that rank.
 
 Deviations and limits: shards must be even (dim 0 divisible by the world size: FSDP2 pads uneven shards to the
 padded *outer* size, which a packed all-gather input cannot have) and whole blocks (rows per shard x row
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from macroarch.mvas import tensor as _tensor
 from macroarch.mvas.formats import get_format
 from macroarch.mvas.tensor import MVASWeight
 
-__all__ = ["LocalShards", "check_shardable", "fully_shard", "local_tensor", "post_all_gather", "pre_all_gather",
+__all__ = ["check_shardable", "fully_shard", "local_tensor", "post_all_gather", "pre_all_gather",
            "shard_problem", "sharding"]
 
 
@@ -106,21 +106,6 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The rank's own tensor of a parameter: a DTensor's local shard (an ``MVASWeight`` for a managed weight), or
     the parameter itself."""
     return getattr(p, "_local_tensor", p)
-
-
-class LocalShards:
-    """The local tensors of FSDP2 parameters, for an optimizer that does not yet take DTensors: build it over
-    ``tensors`` (each rank's shards; a managed weight's is an ``MVASWeight``, so ``MVASAdamW`` writes it packed and
-    keeps its moments at the shard's size) and call ``sync_grads()`` after backward, before ``step()``."""
-
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self.params = list(params)
-        self.tensors = [local_tensor(p) for p in self.params]
-
-    def sync_grads(self) -> None:
-        """Point each local tensor's ``.grad`` at its parameter's local gradient shard (no copy)."""
-        for p, local in zip(self.params, self.tensors, strict=True):
-            local.grad = None if p.grad is None else local_tensor(p.grad)
 
 
 # ---------------------------------------------------------------------------------------- extension points
