@@ -53,6 +53,7 @@ _MASK = 0xFFFFFFFF
 _RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's default of 8 is per function)
 _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0}
 _COMPILED: dict[str, Any] = {}
+_SPECS: dict[StepSpec, StepSpec] = {}
 
 
 def compile_enabled(compile: bool | None = None) -> bool:
@@ -214,8 +215,12 @@ def _run(name: str, compile: bool | None, tensors: list[torch.Tensor | None], ro
 
     before = counters["stats"]["unique_graphs"]
     start = time.perf_counter()
+    # Kernels never need autograd nor tensor subclasses. The same global state for every caller (forward inside
+    # MVASWeight's dispatch runs below autograd with subclass torch functions off, backward without grad) keeps
+    # one compiled kernel valid for all of them.
     with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, capture_scalar_outputs=True,
-                                    accumulated_recompile_limit=4 * _RECOMPILE_LIMIT):
+                                    accumulated_recompile_limit=4 * _RECOMPILE_LIMIT), torch.no_grad(), \
+            torch._C._AutoDispatchBelowADInplaceOrView(), torch._C.DisableTorchFunctionSubclass():
         result = _COMPILED[name](*args)
     if counters["stats"]["unique_graphs"] != before:
         _STATS["compile_seconds"] += time.perf_counter() - start
@@ -251,6 +256,7 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
                counter: torch.Tensor, scalars: torch.Tensor, spec: StepSpec, *, compile: bool | None = None) -> None:
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
     ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: float64, ``functional.adamw_scalars``' seven."""
+    spec = _SPECS.setdefault(spec, spec)  # one object per storage combination: the compiled kernel's guard
     n = grad.numel()
     units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
     if spec.weight_format != "dense" and get_format(spec.weight_format).block_scaled:
