@@ -25,7 +25,9 @@ holding two 4-bit codes per byte, bf16/fp16 are plain casts. ``nbytes`` counts e
   integer added below the kept mantissa bits carries into them with exactly that probability (the
   subnormal range uses floor(x / spacing + u)); the result is a value the format represents, then cast.
   Values beyond bf16/fp16's finite range round to nearest (torch's cast: inf); scaled formats never exceed
-  their range. Rounding is computed in float32.
+  their range. Rounding is computed in float32. ``pack`` draws the noise from an explicit ``torch.Generator``;
+  ``encode`` / ``decode`` are the same arithmetic as pure functions of (values, noise) and (payload, scales),
+  which ``macroarch.mvas.kernels`` compiles (there the noise is a counter-based hash).
 """
 
 from __future__ import annotations
