@@ -35,6 +35,7 @@ raises :class:`~macroarch.config.ConfigError` and leaves the model as it was.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,11 @@ from torch import nn
 from macroarch import mvas
 from macroarch.config import ConfigError, MacroConfig, load_config
 from macroarch.dgr import DGRWrapper
+from macroarch.dgr.distributed import data_parallel, fully_shard_groups
+from macroarch.models.layers import find_repeated_layers
 from macroarch.optim import CompensatedAdamW
+
+DISTRIBUTED = (None, "ddp", "fsdp2")
 
 
 @dataclass
@@ -103,7 +108,8 @@ def precision_plan(model: nn.Module, config: MacroConfig) -> mvas.PrecisionPlan 
 
 def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: Any = None,
           loss_fn: Callable[..., Any] | None = None, compute_dtype: torch.dtype | None = None,
-          plan: mvas.PrecisionPlan | None = None, seed: int | None = None, run: Any = None) -> Stack:
+          plan: mvas.PrecisionPlan | None = None, seed: int | None = None, run: Any = None,
+          distributed: str | None = None) -> Stack:
     """Apply ``config`` (a :class:`MacroConfig`, a YAML path or a mapping) to ``model`` in the documented order.
 
     Args:
@@ -115,7 +121,14 @@ def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: 
         plan: an MVAS plan to use instead of the one the config describes (e.g. from importance).
         seed: seed of MVASAdamW's stochastic rounding.
         run: a tracking run the MVAS schedule logs its tier moves to.
+        distributed: ``None`` (one process), ``"ddp"`` or ``"fsdp2"`` over the default process group (started
+            by torchrun): ``stack.model`` is then the DDP module, or the model sharded by FSDP2 (each block of
+            its repeated stack a unit, then the root; managed weights through ``mvas.fsdp.fully_shard``, so
+            they are all-gathered packed). With DGR the groups step after their gradients are reduced
+            (``macroarch.dgr.distributed``). MVAS with DDP is refused: DDP replicates dense parameters.
     """
+    if distributed not in DISTRIBUTED:
+        raise ConfigError(f"distributed={distributed!r} must be one of {DISTRIBUTED}")
     if not isinstance(config, MacroConfig):
         config = load_config(config)
     if config.uses_dgr and example_inputs is None and loss_fn is None:
@@ -123,6 +136,12 @@ def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: 
                           "built now")
     if plan is None:
         plan = precision_plan(model, config)  # every check before the model is touched
+    if distributed is not None and not torch.distributed.is_initialized():
+        raise ConfigError(f"distributed={distributed!r}: no default process group; start the script with torchrun "
+                          f"and call torch.distributed.init_process_group() first")
+    if distributed == "ddp" and plan is not None:
+        raise ConfigError("distributed='ddp' with MVAS: DDP keeps dense replicas of every parameter, which is what "
+                          "MVAS exists to avoid; use distributed='fsdp2' (packed shards and all-gathers)")
     o = config.optim
     kwargs: dict[str, Any] = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     store = schedule = None
@@ -141,5 +160,30 @@ def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: 
         wrapper = DGRWrapper(model, group_size=d.group_size, mode=d.mode, accumulation_steps=d.accumulation_steps,
                              max_grad_norm=d.max_grad_norm, atomic_steps=d.atomic_steps,
                              example_inputs=example_inputs, loss_fn=loss_fn)
-        return Stack(wrapper, model, wrapper.optimizer(optimizer_cls, **kwargs), store, schedule, config)
-    return Stack(model, model, optimizer_cls(model.parameters(), **kwargs), store, schedule, config)
+        if distributed == "ddp":
+            d_run = data_parallel(wrapper, optimizer_cls, **kwargs)
+        elif distributed == "fsdp2":
+            shard = functools.partial(_shard_blocks, blocks=[n for s in wrapper.grouping.stacks for n in s],
+                                      managed=store is not None)
+            d_run = fully_shard_groups(wrapper, optimizer_cls, shard=shard, **kwargs)
+        else:
+            return Stack(wrapper, model, wrapper.optimizer(optimizer_cls, **kwargs), store, schedule, config)
+        return Stack(d_run.model, model, d_run.optimizer, store, schedule, config)
+    outer = model
+    if distributed == "ddp":
+        device = next(model.parameters()).device
+        outer = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    elif distributed == "fsdp2":
+        _shard_blocks(model, blocks=[name for name, _ in find_repeated_layers(model)], managed=store is not None)
+    return Stack(outer, model, optimizer_cls(model.parameters(), **kwargs), store, schedule, config)
+
+
+def _shard_blocks(module: nn.Module, blocks: list[str], managed: bool) -> None:
+    """FSDP2's usual plan: each block its own unit, then the root; packed all-gathers for managed weights."""
+    if managed:
+        from macroarch.mvas.fsdp import fully_shard as shard
+    else:
+        from torch.distributed.fsdp import fully_shard as shard
+    for name in blocks:
+        shard(module.get_submodule(name))
+    shard(module)
