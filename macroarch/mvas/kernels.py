@@ -134,12 +134,16 @@ class StepSpec:
 
 
 def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple,
-                exp_avg_sq: tuple, counter: torch.Tensor, scalars: torch.Tensor, spec: StepSpec) -> None:
+                exp_avg_sq: tuple, counter: torch.Tensor, scalars: tuple | torch.Tensor, spec: StepSpec) -> None:
     """One packed AdamW step of a tensor (see the module docstring); ``weight``, ``exp_avg`` and ``exp_avg_sq``
-    are ``(payload, scales)`` pairs of row views (``_rows``), written in place; ``scalars`` the float64 values of
-    ``functional.adamw_scalars`` (read as Python numbers: a compiled kernel takes them as arguments)."""
-    decay, _, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt = (scalars[i].item() for i in range(7))
-    avg_weight = scalars[1].float()  # a tensor: lerp branches on its weight
+    are ``(payload, scales)`` pairs (flat, or row views: ``_rows``), written in place; ``scalars`` the values of
+    ``functional.adamw_scalars``: Python floats (eager), or the float64 tensor of them a compiled kernel takes as
+    an argument (read back as symbolic numbers, so a new step or learning rate does not recompile)."""
+    if isinstance(scalars, torch.Tensor):
+        decay, _, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt = (scalars[i].item() for i in range(7))
+        avg_weight = scalars[1].float()  # a tensor: lerp branches on its weight
+    else:
+        decay, avg_weight, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt = scalars
     grad, master = grad.view(-1), None if master is None else master.view(-1)
     weight, exp_avg, exp_avg_sq = (tuple(None if t is None else t.view(-1) for t in pair)
                                    for pair in (weight, exp_avg, exp_avg_sq))
@@ -253,9 +257,10 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
 
 
 def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple, exp_avg_sq: tuple,
-               counter: torch.Tensor, scalars: torch.Tensor, spec: StepSpec, *, compile: bool | None = None) -> None:
+               counter: torch.Tensor, scalars: tuple[float, ...], spec: StepSpec, *,
+               compile: bool | None = None) -> None:
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
-    ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: float64, ``functional.adamw_scalars``' seven."""
+    ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: ``functional.adamw_scalars(...)``."""
     spec = _SPECS.setdefault(spec, spec)  # one object per storage combination: the compiled kernel's guard
     n = grad.numel()
     units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
@@ -269,6 +274,9 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     if rows is None:
         return _run("adamw_step", False, tensors, None, grad, weight, master, exp_avg, exp_avg_sq, counter,
                     scalars, spec)
+    if not (compile_enabled(compile) and _eligible(tensors)):
+        return _run("adamw_step", False, tensors, None, grad, weight, master, exp_avg, exp_avg_sq, counter,
+                    scalars, spec)
     pair = lambda p: tuple(_rows(t, rows) for t in p)  # noqa: E731
     _run("adamw_step", compile, tensors, rows, _rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg),
-         pair(exp_avg_sq), counter, scalars, spec)
+         pair(exp_avg_sq), counter, torch.tensor(scalars, dtype=torch.float64), spec)

@@ -184,7 +184,7 @@ class MVASAdamW(torch.optim.Optimizer):
         state = self.state[p] if self.state[p] else self._init_state(p, weight)
         state["step"] += 1
         step = float(state["step"])
-        scalars = torch.tensor(adamw_scalars(step, lr, beta1, beta2, eps, wd), dtype=torch.float64)
+        scalars = adamw_scalars(step, lr, beta1, beta2, eps, wd)
         spec = self._spec(weight, state)
         key = kernels.stream_key(self.seed, index, weight.numel(), int(step))
         managed = isinstance(weight, MVASWeight)

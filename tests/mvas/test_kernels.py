@@ -69,7 +69,7 @@ def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_si
     for step, n in ((1, 4096), (7, 3 * 8192)):  # two sizes, two steps (new scalars): one compilation
         (w, m, v), grad = _storage(n, step)
         twin = copy.deepcopy((w, m, v))
-        scalars = torch.tensor(adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1), dtype=torch.float64)
+        scalars = adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1)
         counter = torch.tensor([kernels.stream_key(0, 0, step), 0])
         kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
         kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
