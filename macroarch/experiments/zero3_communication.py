@@ -10,12 +10,27 @@ training step". It names no model, cluster or batch; the setting here is GPT-3 1
 - :func:`sensitivity`: the share at 200 us over what the post leaves open, tokens per GPU and MFU;
 - :func:`calibrate`: this machine's collectives timed on gloo ranks (``macroarch.measure.calibrate``) and the
   alpha-beta fit per collective; :func:`check_here`: the model with the fitted link and measured compute
-  beside a real FSDP2 step on those ranks.
+  beside a real FSDP2 step on those ranks;
+- packed weights (issue 18): on the same ranks (:func:`packed_ranks`, run after the calibration), the same
+  GPT-2-style model trained a few steps under FSDP2 in bf16 and with its blocks' matmul weights as MVAS fp8 / fp4
+  (``macroarch.mvas.fsdp.fully_shard``, ``MVASAdamW``); the bytes each all-gather carried are counted at the
+  collective (``macroarch.measure.fsdp_bytes.count_collectives``), with each rank's weight, gradient and optimizer
+  bytes. :func:`packed_payload` turns them into bytes gathered per parameter of a block, and :func:`packed_shares`
+  feeds that measured payload into the ZeRO-3 model of the post's setting: the sync share with packed weights.
+
+Deviations of the packed line: the payload per parameter is measured on the small model's blocks, whose biases
+and norms stay bf16 (a larger share of a d=64 block than of a GPT-3 block, so the measured bytes per parameter
+are if anything too high); the ZeRO-3 model applies it to every unit, the root (embeddings, 0.4% of GPT-3) too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -24,7 +39,7 @@ from matplotlib.figure import Figure
 from macroarch._table import format_table
 from macroarch.measure.calibrate import measure_zero3
 from macroarch.measure.memory import format_bytes, parameter_count, training_state_bytes
-from macroarch.measure.workload import Workload
+from macroarch.measure.workload import Workload, lm_loss
 from macroarch.measure.zero3 import Cluster, StepTime, fit_alpha_beta, latency_for_share, zero3_step
 from macroarch.models import ModelSpec, get_model_spec
 
@@ -33,6 +48,10 @@ POST_LATENCY = 200e-6
 TOKEN_GRID = (512, 1024, 2048, 4096, 8192, 16384)
 """Tokens per GPU per step that the sensitivity sweeps."""
 FITTED_OPS = ("all_gather", "reduce_scatter")
+PLAIN = "bf16"
+"""The format name of the dense baseline: FSDP2 with bf16 weights (``torch.distributed.fsdp.fully_shard``)."""
+PACKED_RULE = "transformer.h.*.weight"
+"""The weights packed: every block's matmul weights (the plan keeps norms and biases in bf16)."""
 
 
 def latency_grid(range_us: list[float], points: int) -> np.ndarray:
@@ -192,11 +211,15 @@ class Calibration:
 
 
 def calibrate(work: Workload, sizes_log2: list[int], repeats: int, steps: int, world_size: int,
-              threads: int) -> Calibration:
+              threads: int, packed: dict[str, Any] | None = None) -> Calibration:
     """Time the collectives at gathered sizes ``2**k`` for every other ``k`` of ``sizes_log2`` (both ends
-    included), and ``steps`` FSDP2 steps of ``work``, on ``world_size`` gloo ranks; fit each collective."""
+    included), and ``steps`` FSDP2 steps of ``work``, on ``world_size`` gloo ranks; fit each collective.
+    ``packed``: keyword arguments of :func:`packed_ranks` (formats, block_size, steps), run on the same ranks
+    afterwards; their results are ``measured["then"]`` (:func:`packed_payload`)."""
     sizes = [2**k for k in range(sizes_log2[0], sizes_log2[1] + 1, 2)]
-    measured = measure_zero3(work, sizes=sizes, repeats=repeats, steps=steps, world_size=world_size, threads=threads)
+    extra = {} if packed is None else dict(then=f"{__name__}:packed_ranks", then_kwargs=packed)
+    measured = measure_zero3(work, sizes=sizes, repeats=repeats, steps=steps, world_size=world_size, threads=threads,
+                             **extra)
     # One alpha-beta fit per collective: gloo's reduce-scatter is not as fast as its all-gather.
     fits = {op: fit_alpha_beta(measured["sizes"], measured["seconds"][op], world_size) for op in FITTED_OPS}
     return Calibration(measured, fits)
@@ -259,6 +282,288 @@ def check_here(calib: Calibration, work: Workload, latencies: np.ndarray, share_
                      latency_for_share(small, here, work.tokens, share_target, **kw))
 
 
+# ---------------------------------------------------------------------------------------------- packed weights
+def shard_block_size(shapes: list[tuple[int, ...]], world_size: int, preferred: int) -> int:
+    """The block size of the packed weights: the largest divisor of ``preferred`` that cuts each rank's dim-0
+    shard of every weight of ``shapes`` into whole blocks (``preferred`` itself when it does). Even, so that fp4
+    blocks are whole bytes; a ValueError if dim 0 does not split evenly or only odd blocks would."""
+    if preferred < 2:
+        raise ValueError(f"block size {preferred} must be >= 2")
+    uneven = [s for s in shapes if s[0] % world_size]
+    if uneven:
+        raise ValueError(f"weights of shapes {uneven} do not split evenly on dim 0 over {world_size} ranks")
+    block = math.gcd(preferred, *(math.prod(s) // world_size for s in shapes))
+    if block < 2 or block % 2:
+        raise ValueError(f"no even block size divides {preferred} and every rank's shard of {shapes}")
+    return block
+
+
+def packed_ranks(workload: dict, formats: list[str], block_size: int, steps: int, lr: float = 1e-3
+                 ) -> dict[str, Any]:
+    """On every rank (after the calibration, ``measure_zero3(then=...)``): for each of ``formats`` (``"bf16"``:
+    dense, else an MVAS format for the blocks' matmul weights), the workload's model in bf16 under FSDP2, one unit
+    per block and the root, trained ``steps`` steps (AdamW in bf16; ``MVASAdamW`` with fp8 moments on each
+    rank's shard); the collectives counted, then each unit all-gathered once on its own (``unshard``)."""
+    import torch.distributed as dist
+
+    work = Workload(**workload)
+    batches = work.batches(dist.get_rank(), steps)
+    out: dict[str, Any] = {}
+    with _eager_kernels():
+        for fmt in formats:
+            out[fmt] = _packed_format(work, batches, fmt, block_size, lr)
+    return out
+
+
+@contextlib.contextmanager
+def _eager_kernels() -> Iterator[None]:
+    """MVAS's kernels eager (``MACROARCH_COMPILE=0``): a few steps of a small model count bytes, not speed, and
+    compiling them would cost each rank seconds."""
+    from macroarch.mvas.kernels import ENV
+
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = previous
+
+
+def _packed_format(work: Workload, batches: list, fmt: str, block_size: int, lr: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from macroarch.measure.fsdp_bytes import count_collectives, rank_bytes
+    from macroarch.mvas import MVASAdamW, apply, get_format, plan_from_rules
+    from macroarch.mvas import fsdp as mvas_fsdp
+
+    model = work.model().to(torch.bfloat16)
+    blocks = list(model.transformer.h)
+    block = None
+    if fmt != PLAIN:
+        plan = plan_from_rules(model, [(PACKED_RULE, fmt)], block_size=block_size, min_numel=0)
+        packed = get_format(fmt).name
+        shapes = [tuple(model.get_parameter(t.name).shape) for t in plan.tensors if t.format == packed]
+        block = shard_block_size(shapes, dist.get_world_size(), block_size)
+        if block != block_size:
+            plan = plan_from_rules(model, [(PACKED_RULE, fmt)], block_size=block, min_numel=0)
+        apply(model, plan)
+    shard = fully_shard if fmt == PLAIN else mvas_fsdp.fully_shard
+    for unit in blocks:
+        shard(unit)
+    shard(model)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=lr) if fmt == PLAIN else
+                 MVASAdamW(model.parameters(), lr=lr, rounding="nearest", min_state_numel=0, seed=0,
+                           compile=False))
+    losses = []
+    with count_collectives() as log:
+        for ids in batches:
+            optimizer.zero_grad(set_to_none=True)  # before, not after: the step's gradients are measured
+            loss = lm_loss(model, ids)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    units = []
+    for unit in (model, *blocks):
+        with count_collectives() as one:
+            unit.unshard()
+        unit.reshard()
+        units.append({"params": sum(p.numel() for p in unit.parameters()), "gather_bytes":
+                      one.all_gather_output_bytes, "gathers": len(one.calls)})
+    units[0]["params"] -= sum(u["params"] for u in units[1:])  # the root's own: not its blocks'
+    steps = len(batches)
+    result = {**rank_bytes(model, optimizer), "block_size": block, "requested_block_size": block_size,
+              "losses": losses, "units": units,
+              "params": sum(p.numel() for p in model.parameters()),
+              "gather_bytes_per_step": log.all_gather_output_bytes / steps,
+              "gather_sent_per_step": log.all_gather_bytes / steps,
+              "reduce_scatter_bytes_per_step": log.reduce_scatter_bytes / steps,
+              "gathers_per_step": sum(1 for name, *_ in log.calls if name.startswith("all_gather")) / steps}
+    optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+@dataclass(frozen=True)
+class PackedPayload:
+    """What the ranks measured per format (:func:`packed_ranks`; the largest over ranks where they differ)."""
+
+    formats: tuple[str, ...]
+    ranks: dict[str, dict[str, Any]]
+    block_size: int
+    """Elements per scale of the packed weights: the requested size, or its largest divisor that cuts every rank's
+    shard into whole blocks (``shard_block_size``)."""
+    requested_block_size: int
+    world_size: int
+
+    @property
+    def block_text(self) -> str:
+        if self.block_size == self.requested_block_size:
+            return f"blocks of {self.block_size}"
+        return (f"blocks of {self.block_size} (the requested {self.requested_block_size} does not cut every rank's "
+                "shard into whole blocks)")
+
+    def _units(self, fmt: str) -> list[dict]:
+        return self.ranks[fmt]["units"]
+
+    def bytes_per_param(self, fmt: str) -> float:
+        """Bytes one all-gather of a block delivers per parameter of the block (every block's summed): the
+        payload that the ZeRO-3 model's ``param_bytes`` stands for."""
+        blocks = self._units(fmt)[1:]
+        return sum(u["gather_bytes"] for u in blocks) / sum(u["params"] for u in blocks)
+
+    def step_elements(self, fmt: str) -> int:
+        """Parameters gathered in one step if the root is gathered once and each block twice (3 L + 2)."""
+        root, *blocks = self._units(fmt)
+        return root["params"] + 2 * sum(u["params"] for u in blocks)
+
+    def step_bytes_per_param(self, fmt: str) -> float:
+        """The whole step's all-gather bytes (counted during training) per parameter gathered."""
+        return self.ranks[fmt]["gather_bytes_per_step"] / self.step_elements(fmt)
+
+    def grad_bytes_per_param(self, fmt: str) -> float:
+        """Bytes a rank hands to the reduce-scatters per step, per parameter (gradient element)."""
+        return self.ranks[fmt]["reduce_scatter_bytes_per_step"] / self.ranks[fmt]["params"]
+
+    def step_matches_units(self, fmt: str) -> bool:
+        """Whether a training step gathered exactly the root once and each block twice, byte for byte."""
+        root, *blocks = self._units(fmt)
+        return self.ranks[fmt]["gather_bytes_per_step"] == root["gather_bytes"] + 2 * sum(
+            u["gather_bytes"] for u in blocks)
+
+    def metrics(self) -> dict[str, float]:
+        m: dict[str, float] = {"packed_block_size": self.block_size}
+        for fmt in self.formats:
+            r = self.ranks[fmt]
+            m |= {f"allgather_bytes_per_param_{fmt}": self.bytes_per_param(fmt),
+                  f"allgather_step_bytes_per_param_{fmt}": self.step_bytes_per_param(fmt),
+                  f"allgather_bytes_per_step_{fmt}": r["gather_bytes_per_step"],
+                  f"reduce_scatter_bytes_per_param_{fmt}": self.grad_bytes_per_param(fmt),
+                  f"rank_weight_bytes_{fmt}": r["weights"], f"rank_grad_bytes_{fmt}": r["grads"],
+                  f"rank_optimizer_bytes_{fmt}": r["optimizer"], f"final_loss_{fmt}": r["losses"][-1]}
+        return m
+
+    def table(self) -> str:
+        rows = [("format", "B/param gathered (block)", "(whole step)", "all-gather B/step", "RS B/param",
+                 "weights/rank", "grads/rank", "optimizer/rank", "loss first -> last", "step = units")]
+        for fmt in self.formats:
+            r = self.ranks[fmt]
+            rows.append((fmt, f"{self.bytes_per_param(fmt):.4f}", f"{self.step_bytes_per_param(fmt):.4f}",
+                         f"{r['gather_bytes_per_step']:,.0f}", f"{self.grad_bytes_per_param(fmt):.3f}",
+                         f"{r['weights']:,}", f"{r['grads']:,}", f"{r['optimizer']:,}",
+                         f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}", self.step_matches_units(fmt)))
+        return (format_table(rows) + f"\n(counted at FSDP2's collectives on {self.world_size} gloo ranks, per rank; "
+                f"bf16 compute; packed {self.block_text}, fp8/fp4 payload + fp32 scales, biases and norms "
+                "bf16; optimizer: AdamW (bf16 state) vs MVASAdamW (fp8 moments))")
+
+
+def packed_payload(calib: Calibration) -> PackedPayload:
+    """The packed run of :func:`calibrate` (``packed=``): per format, the rank holding the most bytes."""
+    ranks = calib.measured.get("then")
+    if not ranks:
+        raise ValueError("the calibration ran no packed measurement: pass packed=dict(formats=..., ...) to calibrate")
+    formats = tuple(ranks[0])
+    if formats[0] != PLAIN:
+        raise ValueError(f"formats must start with the dense baseline {PLAIN!r}; got {list(formats)}")
+    merged = {fmt: max((r[fmt] for r in ranks), key=lambda r: r["weights"] + r["optimizer"]) for fmt in formats}
+    packed = [r[fmt] for r in ranks for fmt in formats[1:]]
+    blocks = {r["block_size"] for r in packed}
+    if len(blocks) > 1:
+        raise ValueError(f"the packed formats were measured with different block sizes {sorted(blocks)}")
+    requested = packed[0]["requested_block_size"] if packed else 0
+    return PackedPayload(formats, merged, blocks.pop() if blocks else 0, requested, calib.world_size)
+
+
+@dataclass(frozen=True)
+class PackedShares:
+    """The graded model's share of the step in parameter sync with the measured payload per format."""
+
+    model: str
+    formats: tuple[str, ...]
+    bytes_per_param: dict[str, float]
+    grad_bytes: dict[str, float]
+    at_200us: dict[str, StepTime]
+    curves: dict[str, tuple[np.ndarray, np.ndarray]]
+    crossing: dict[str, float | None]
+    latencies: np.ndarray
+    share_target: float
+
+    @staticmethod
+    def prefix(fmt: str) -> str:
+        return f"measured_{fmt}_" if fmt == PLAIN else f"packed_{fmt}_"
+
+    def metrics(self) -> dict[str, float]:
+        m: dict[str, float] = {}
+        for fmt in self.formats:
+            key, step = self.prefix(fmt), self.at_200us[fmt]
+            m |= {f"{key}sync_share_at_200us": step.share_serial,
+                  f"{key}sync_share_at_200us_overlapped": step.share_overlapped,
+                  f"{key}sync_s_at_200us": step.comm,
+                  f"{key}sync_time_over_{PLAIN}": step.comm / self.at_200us[PLAIN].comm}
+            if self.crossing[fmt] is not None:
+                m[f"{key}latency_at_38pct_us"] = self.crossing[fmt] * 1e6
+        return m
+
+    def series(self) -> list[tuple[int, dict[str, float]]]:
+        return [(i, {f"{self.prefix(fmt)}share": self.curves[fmt][0][i] for fmt in self.formats}
+                 | {f"{self.prefix(fmt)}share_overlapped": self.curves[fmt][1][i] for fmt in self.formats})
+                for i in range(len(self.latencies))]
+
+    def table(self) -> str:
+        rows = [("weights gathered", "B/param (measured)", "RS B/param", "sync s @200us", "share @200us", "overlapped",
+                 "38% reached at")]
+        for fmt in self.formats:
+            step, c = self.at_200us[fmt], self.crossing[fmt]
+            rows.append((fmt, f"{self.bytes_per_param[fmt]:.4f}", f"{self.grad_bytes[fmt]:.3f}", f"{step.comm:.3f}",
+                         f"{step.share_serial:.1%}", f"{step.share_overlapped:.1%}",
+                         "never" if c is None else f"{c * 1e6:.0f} us"))
+        return (format_table(rows) + f"\n({self.model}, the post's setting; bytes measured on the FSDP2 check's "
+                "blocks)")
+
+
+def packed_shares(post: PostSetting, payload: PackedPayload, *, seq_len: int) -> PackedShares:
+    """The graded model of ``post`` with each format's measured bytes per gathered parameter and per reduce-scattered
+    gradient element (:class:`PackedPayload`) in place of the typed ``param_bytes`` / ``grad_bytes``."""
+    spec, cluster = post.models[post.graded].spec, post.cluster
+    per = {fmt: dict(seq_len=seq_len, param_bytes=payload.bytes_per_param(fmt),
+                     grad_bytes=payload.grad_bytes_per_param(fmt)) for fmt in payload.formats}
+    return PackedShares(
+        post.graded, payload.formats, {f: kw["param_bytes"] for f, kw in per.items()},
+        {f: kw["grad_bytes"] for f, kw in per.items()},
+        {f: zero3_step(spec, cluster.with_latency(POST_LATENCY), post.tokens, **kw) for f, kw in per.items()},
+        {f: share_curve(spec, cluster, post.tokens, post.latencies, **kw) for f, kw in per.items()},
+        {f: latency_for_share(spec, cluster, post.tokens, post.share_target, **kw) for f, kw in per.items()},
+        post.latencies, post.share_target)
+
+
+def plot_packed(shares: PackedShares, payload: PackedPayload) -> Figure:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax, us = axes[0], shares.latencies * 1e6
+    for fmt in shares.formats:
+        serial, overlapped = shares.curves[fmt]
+        line, = ax.semilogx(us, serial, lw=1.6, label=f"{fmt}: {shares.bytes_per_param[fmt]:.3f} B/param (serial)")
+        ax.semilogx(us, overlapped, ls="--", lw=1.1, color=line.get_color(), label=f"{fmt} (overlapped)")
+    ax.axhline(shares.share_target, color="r", lw=0.8, ls=":", label=f"{shares.share_target:.0%} (the post)")
+    ax.axvline(POST_LATENCY * 1e6, color="r", lw=0.8, ls=":")
+    ax.set(xlabel="latency alpha per ring step (us)", ylabel="share of step in parameter sync", ylim=(0, 1),
+           title=f"{shares.model}: ZeRO-3 with the all-gather payload measured per format")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    kinds = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "optimizer"),
+             ("gather_bytes_per_step", "all-gather / step"))
+    x, width = np.arange(len(kinds)), 0.8 / len(payload.formats)
+    for i, fmt in enumerate(payload.formats):
+        ax.bar(x + i * width, [payload.ranks[fmt][k] / 1e6 for k, _ in kinds], width, label=fmt)
+    ax.set_xticks(x + width * (len(payload.formats) - 1) / 2, [label for _, label in kinds])
+    ax.set(ylabel="MB per rank", title=f"FSDP2 on {payload.world_size} gloo ranks: bytes per rank, measured")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def plot_sync_share(post: PostSetting, sens: Sensitivity, calib: Calibration, here: HereCheck) -> Figure:
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     us, cluster = post.latencies * 1e6, post.cluster
@@ -295,8 +600,10 @@ def plot_sync_share(post: PostSetting, sens: Sensitivity, calib: Calibration, he
     return fig
 
 
-def c5_texts(post: PostSetting, calib: Calibration, here: HereCheck, metrics: dict[str, float]) -> dict[str, str]:
-    """``scale``, ``measured_text`` and ``note`` for C5's verdict, from the run's metrics."""
+def c5_texts(post: PostSetting, calib: Calibration, here: HereCheck, metrics: dict[str, float],
+             packed: PackedShares | None = None) -> dict[str, str]:
+    """``scale``, ``measured_text`` and ``note`` for C5's verdict, from the run's metrics (``packed``: the
+    packed-weight line, reported in the note; the grade stays the bf16 model's)."""
     m, cluster, graded = metrics, post.cluster, post.models[post.graded]
     alpha, bandwidth = calib.fits["all_gather"]
     cross = graded.crossing[0]
@@ -316,10 +623,19 @@ def c5_texts(post: PostSetting, calib: Calibration, here: HereCheck, metrics: di
               f"{format_bytes(m['state_bytes_per_gpu'], 'GB', 0)} of training state per GPU under ZeRO-3 on "
               f"{cluster.world_size} GPUs (80 GB each): it only runs with offload. FSDP2 check here: model / measured "
               f"sync time {m['fsdp_predicted_over_measured']:.2f}, collectives {here.collectives} measured vs "
-              f"{here.predicted.collectives} modelled"),
+              f"{here.predicted.collectives} modelled"
+              + ("" if packed is None else _packed_note(packed, m, calib.world_size))),
     )
 
 
-__all__ = ["POST_LATENCY", "TOKEN_GRID", "Calibration", "HereCheck", "ModelShare", "PostSetting", "Sensitivity",
-           "a100_cluster", "c5_texts", "calibrate", "check_here", "latency_grid", "plot_sync_share", "post_setting",
-           "sensitivity", "share_curve"]
+def _packed_note(packed: PackedShares, m: dict[str, float], world_size: int) -> str:
+    parts = [f"{fmt} {m[f'allgather_bytes_per_param_{fmt}']:.3f} B/param -> "
+             f"{m[packed.prefix(fmt) + 'sync_share_at_200us']:.1%}" for fmt in packed.formats]
+    return (f". With the all-gather payload measured at FSDP2's collective (blocks of the check's model, {world_size} "
+            f"gloo ranks), the share at 200 us for {packed.model} is: " + ", ".join(parts))
+
+
+__all__ = ["PACKED_RULE", "PLAIN", "POST_LATENCY", "TOKEN_GRID", "Calibration", "HereCheck", "ModelShare",
+           "PackedPayload", "PackedShares", "PostSetting", "Sensitivity", "a100_cluster", "c5_texts", "calibrate",
+           "check_here", "latency_grid", "packed_payload", "packed_ranks", "packed_shares", "plot_packed",
+           "plot_sync_share", "post_setting", "sensitivity", "shard_block_size", "share_curve"]

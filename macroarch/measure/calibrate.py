@@ -34,11 +34,16 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def measure_zero3(workload: Workload, *, sizes: Sequence[int], repeats: int = 5, steps: int = 3,
-                  world_size: int = 2, threads: int = 1, timeout: float = 300.0) -> dict[str, Any]:
-    """Run the measurements on ``world_size`` ranks (module docstring); ``sizes`` are gathered bytes."""
+                  world_size: int = 2, threads: int = 1, timeout: float = 300.0, then: str | None = None,
+                  then_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the measurements on ``world_size`` ranks (module docstring); ``sizes`` are gathered bytes.
+
+    ``then`` (``"module:function"``) runs on the same ranks afterwards, as ``function(workload=..., **then_kwargs)``
+    (a further measurement without a second launch); its results, in rank order, come back as ``"then"``."""
     outcomes = launch("macroarch.measure.calibrate:_zero3_worker", world_size, threads=threads, timeout=timeout,
                       pg_timeout=min(timeout, 120.0),
-                      kwargs={"workload": asdict(workload), "sizes": list(sizes), "repeats": repeats, "steps": steps})
+                      kwargs={"workload": asdict(workload), "sizes": list(sizes), "repeats": repeats, "steps": steps,
+                              "then": then, "then_kwargs": then_kwargs or {}})
     results = [o.result for o in outcomes]
     first = results[0]
     return {
@@ -52,10 +57,13 @@ def measure_zero3(workload: Workload, *, sizes: Sequence[int], repeats: int = 5,
         "fsdp_gather_bytes": first["fsdp_gather_bytes"],
         "fsdp_scatter_bytes": first["fsdp_scatter_bytes"],
         "n_params": first["n_params"],
-    }
+    } | ({"then": [r["then"] for r in results]} if then else {})
 
 
-def _zero3_worker(workload: dict, sizes: list[int], repeats: int, steps: int) -> dict[str, Any]:
+def _zero3_worker(workload: dict, sizes: list[int], repeats: int, steps: int, then: str | None = None,
+                  then_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    import importlib
+
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -90,11 +98,15 @@ def _zero3_worker(workload: dict, sizes: list[int], repeats: int, steps: int) ->
         if i:  # the first step pays for lazy initialisation
             compute.append(t_plain)
             fsdp.append(t_fsdp)
-    return {"sizes": [max(world, s // 4 // world * world) * 4 for s in sizes], "seconds": seconds,
-            "compute_s": statistics.median(compute), "fsdp_step_s": statistics.median(fsdp),
-            "fsdp_collectives": counts["all_gather"] + counts["reduce_scatter"] + counts["all_reduce"],
-            "fsdp_gather_bytes": counts["all_gather_bytes"], "fsdp_scatter_bytes": counts["reduce_scatter_bytes"],
-            "n_params": sum(p.numel() for p in plain.parameters())}
+    out = {"sizes": [max(world, s // 4 // world * world) * 4 for s in sizes], "seconds": seconds,
+           "compute_s": statistics.median(compute), "fsdp_step_s": statistics.median(fsdp),
+           "fsdp_collectives": counts["all_gather"] + counts["reduce_scatter"] + counts["all_reduce"],
+           "fsdp_gather_bytes": counts["all_gather_bytes"], "fsdp_scatter_bytes": counts["reduce_scatter_bytes"],
+           "n_params": sum(p.numel() for p in plain.parameters())}
+    if then:
+        module, function = then.split(":")
+        out["then"] = getattr(importlib.import_module(module), function)(workload=workload, **(then_kwargs or {}))
+    return out
 
 
 def _fully_shard_blocks(model: torch.nn.Module) -> None:
