@@ -300,28 +300,31 @@ def _round_e2m1(y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    if codes.numel() % 2:
+    """Two codes per byte along the last dimension (a flat tensor of odd length gets one zero nibble)."""
+    if codes.dim() == 1 and codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
-    return codes[0::2] | (codes[1::2] << 4)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None,
            noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The storage of ``x`` (flat float32, finite for scaled formats) in ``fmt``: ``(payload, scales)``.
+    """The storage of ``x`` (float32, finite for scaled formats) in ``fmt``: ``(payload, scales)``, blocks cut
+    along the last dimension (flat for ``pack``; rows of whole blocks in ``macroarch.mvas.kernels``).
 
     The arithmetic of ``pack`` without its checks, so that ``macroarch.mvas.kernels`` compiles the same code:
     ``noise`` (int32 in ``[0, 2^noise_bits(fmt))``, one per element) rounds stochastically, None to nearest.
-    ``block_size`` must divide ``x``'s length (None: one scale for all of ``x``)."""
+    ``block_size`` must divide the last dimension (None: one scale for all of a flat ``x``)."""
     fmt = get_format(fmt)
     if not fmt.block_scaled:
         return _round_elementwise(x, fmt, noise), None
-    blocks = x.view(1, -1) if block_size is None else x.view(-1, block_size)  # (n_blocks, block)
+    lead = x.shape[:-1]
+    blocks = x.view(*lead, 1, -1) if block_size is None else x.view(*lead, -1, block_size)  # (..., n_blocks, block)
     if blocks.numel():
-        scales = blocks.abs().amax(dim=1) / fmt.max_normal
+        scales = blocks.abs().amax(dim=-1) / fmt.max_normal
     else:
-        scales = torch.zeros(blocks.shape[0], device=x.device)
+        scales = torch.zeros(blocks.shape[:-1], device=x.device)
     divisor = torch.where(scales > 0, scales, 1.0)  # an all-zero block stays zero
-    y = (blocks / divisor[:, None]).clamp(-fmt.max_normal, fmt.max_normal).reshape(-1)
+    y = (blocks / divisor[..., None]).clamp(-fmt.max_normal, fmt.max_normal).view(x.shape)
     if fmt.name == "fp4_e2m1":
         return _pack_nibbles(_round_e2m1(y, noise)), scales.to(SCALE_DTYPE)
     return _round_elementwise(y, fmt, noise), scales.to(SCALE_DTYPE)
@@ -329,8 +332,9 @@ def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None,
 
 def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str | Format, block_size: int | None,
            numel: int) -> torch.Tensor:
-    """``numel`` elements stored as ``payload`` and ``scales`` in ``fmt``, as a new flat float32 tensor (the
-    arithmetic of ``PackedTensor.dequantize_range``, compiled by ``macroarch.mvas.kernels``)."""
+    """``numel`` elements stored as ``payload`` and ``scales`` in ``fmt``, as a new float32 tensor (the
+    arithmetic of ``PackedTensor.dequantize_range``, compiled by ``macroarch.mvas.kernels``): flat, or, for a
+    payload of rows (whole blocks each, ``numel`` elements in all), rows with ``scales`` of rows too."""
     fmt = get_format(fmt)
     if fmt.name == "fp4_e2m1":
         values = _decode_e2m1(payload, numel)
@@ -340,7 +344,8 @@ def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str | Format
         if block_size is None:
             values = values * scales[0]
         else:
-            values = (values.view(-1, block_size) * scales[:, None]).reshape(-1)  # (n_blocks, block)
+            lead = values.shape[:-1]  # (..., n_blocks, block)
+            values = (values.view(*lead, -1, block_size) * scales.view(*lead, -1)[..., None]).view(values.shape)
     return values
 
 
@@ -361,13 +366,19 @@ def _decode_e2m1(payload: torch.Tensor, numel: int) -> torch.Tensor:
     if torch.compiler.is_compiling():  # traced: arithmetic, as a table would be captured as a (fake) constant
         return _decode_e2m1_arithmetic(payload, numel)
     table = _e2m1_byte_table(payload.device) if not _is_fake(payload) else torch.zeros(256, 2, device=payload.device)
+    if payload.dim() > 1:
+        return table[payload.long()].view(*payload.shape[:-1], -1)
     return table[payload.long()].reshape(-1)[:numel]
 
 
 def _decode_e2m1_arithmetic(payload: torch.Tensor, numel: int) -> torch.Tensor:
     """The byte table's values computed from the codes: magnitude code 2e + m is m / 2 for e = 0, else
-    2^(e - 1) * (1 + m / 2); bit 3 the sign (code 8 is -0.0, as in the table)."""
-    codes = torch.stack([payload & 0xF, payload >> 4], dim=1).reshape(-1)[:numel].to(torch.int32)
+    2^(e - 1) * (1 + m / 2); bit 3 the sign (code 8 is -0.0, as in the table). Rows of bytes give rows."""
+    codes = torch.stack([payload & 0xF, payload >> 4], dim=-1)
+    if payload.dim() == 1:
+        codes = codes.reshape(-1)[:numel].to(torch.int32)
+    else:
+        codes = codes.view(*payload.shape[:-1], -1).to(torch.int32)
     e, m = (codes & 7) >> 1, (codes & 1).to(torch.float32)
     magnitude = torch.where(e == 0, m * 0.5, torch.exp2((e - 1).to(torch.float32)) * (1.0 + 0.5 * m))
     return torch.where(codes >= 8, -magnitude, magnitude)

@@ -104,7 +104,6 @@ def stream_key(*parts: int) -> int:
 # --------------------------------------------------------------------------------------------- kernels
 def _dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, block_size: int | None,
                 dtype: torch.dtype) -> torch.Tensor:
-    payload, scales = payload.view(-1), None if scales is None else scales.view(-1)
     numel = payload.numel() * 2 if fmt == "fp4_e2m1" else payload.numel()
     return decode(payload, scales, fmt, block_size, numel).to(dtype)
 
@@ -136,17 +135,14 @@ class StepSpec:
 def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple,
                 exp_avg_sq: tuple, counter: torch.Tensor, scalars: tuple | torch.Tensor, spec: StepSpec) -> None:
     """One packed AdamW step of a tensor (see the module docstring); ``weight``, ``exp_avg`` and ``exp_avg_sq``
-    are ``(payload, scales)`` pairs (flat, or row views: ``_rows``), written in place; ``scalars`` the values of
-    ``functional.adamw_scalars``: Python floats (eager), or the float64 tensor of them a compiled kernel takes as
-    an argument (read back as symbolic numbers, so a new step or learning rate does not recompile)."""
+    are ``(payload, scales)`` pairs, all flat or all rows of whole blocks (``_rows``), written in place;
+    ``scalars`` the values of ``functional.adamw_scalars``: Python floats (eager), or the float64 tensor of them a
+    compiled kernel takes as an argument (read back as symbolic numbers: a new step or LR does not recompile)."""
     if isinstance(scalars, torch.Tensor):
         decay, _, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt = (scalars[i].item() for i in range(7))
         avg_weight = scalars[1].float()  # a tensor: lerp branches on its weight
     else:
         decay, avg_weight, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt = scalars
-    grad, master = grad.view(-1), None if master is None else master.view(-1)
-    weight, exp_avg, exp_avg_sq = (tuple(None if t is None else t.view(-1) for t in pair)
-                                   for pair in (weight, exp_avg, exp_avg_sq))
     n = grad.numel()
     g = grad.float()
     if spec.state_format == "fp32":
@@ -155,8 +151,9 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
         m = decode(exp_avg[0], exp_avg[1], spec.state_format, spec.state_block, n)
         root = decode(exp_avg_sq[0], exp_avg_sq[1], spec.state_format, spec.state_block, n)
         if exp_avg_sq[1] is not None and spec.state_block is not None:  # sqrt(v) underflowed: its block's floor
-            floor = exp_avg_sq[1] * spec.v_floor
-            root = torch.maximum(root.view(-1, spec.state_block), floor[:, None]).view(-1)
+            lead = root.shape[:-1]  # (..., n_blocks, block)
+            floor = exp_avg_sq[1].view(*lead, -1) * spec.v_floor
+            root = torch.maximum(root.view(*lead, -1, spec.state_block), floor[..., None]).view(root.shape)
         v = root * root
     if master is not None:
         w = master
@@ -171,17 +168,17 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
     else:
         noise = None
         if spec.stochastic and master is None and get_format(spec.weight_format).storage_dtype != torch.float32:
-            noise = counter_noise(counter, n, noise_bits(spec.weight_format))
+            noise = counter_noise(counter, n, noise_bits(spec.weight_format)).view(w.shape)
         payload, scales = encode(w, spec.weight_format, spec.weight_block, noise)
         weight[0].copy_(payload)
         if scales is not None:
-            weight[1].copy_(scales)
+            weight[1].copy_(scales.view(weight[1].shape))
     if spec.state_format != "fp32":
         for (payload, scales), value in ((exp_avg, m), (exp_avg_sq, v.sqrt())):
             new_payload, new_scales = encode(value, spec.state_format, spec.state_block)
             payload.copy_(new_payload)
             if new_scales is not None:
-                scales.copy_(new_scales)
+                scales.copy_(new_scales.view(scales.shape))
 
 
 _SOURCES = {"dequantize": _dequantize, "adamw_step": _adamw_step}
@@ -253,7 +250,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
     if rows is None or not eager_fallback and not (compile_enabled(compile) and _eligible([payload, scales])):
         return _dequantize(payload, scales, fmt, block_size, dtype) if eager_fallback else None
     return _run("dequantize", compile, [payload, scales], rows, _rows(payload, rows), _rows(scales, rows), fmt,
-                block_size, dtype)
+                block_size, dtype).view(-1)
 
 
 def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple, exp_avg_sq: tuple,
