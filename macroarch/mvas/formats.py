@@ -33,6 +33,7 @@ holding two 4-bit codes per byte, bf16/fp16 are plain casts. ``nbytes`` counts e
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,6 +304,11 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Two codes per byte along the last dimension (a flat tensor of odd length gets one zero nibble)."""
     if codes.dim() == 1 and codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
+    if codes.is_contiguous() and sys.byteorder == "little":
+        # the pair (2i, 2i + 1) read as one int16 is code_2i + 256 * code_2i+1: no stride-2 access (which a
+        # compiled loop cannot vectorise), the same bytes as codes[0::2] | codes[1::2] << 4
+        pairs = codes.view(torch.int16)
+        return ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
