@@ -24,11 +24,14 @@ meta tensors (memory measurements), under a dispatch mode (memory tracker, op co
 **Equality.** Stochastic rounding draws its noise from a counter-based hash (``counter_noise``: integer
 arithmetic on the element index, the tensor's key and the step), which the compiler cannot change, so the
 noise is bitwise the same compiled and eager and reproducible from the seed. The float arithmetic may be
-reordered by Inductor (it decomposes ``lerp``, ``addcmul`` and ``addcdiv`` and may contract multiply-adds), so
-compiled and eager agree on the fp32 update to a few ulps, and on the packed results up to those ulps crossing
-a rounding boundary: ``tests/mvas/test_kernels.py`` states and checks the bound.
+reordered by Inductor (it decomposes ``lerp`` and ``addcdiv`` and fuses ``addcmul`` into an fma), so compiled
+and eager agree on the fp32 update to a few ulps: block scales within 4 ulps, and at most 0.2% of the codes one
+grid step apart, where such an ulp crosses a rounding boundary (``tests/mvas/test_kernels.py`` checks these
+bounds). The dequantisation is exact either way: compiled equals eager bitwise.
 
-Deviation: fp4 tensors of odd length and one scale per tensor split in chunks are not compiled (eager only).
+Layout: a kernel sees every input as rows of one static length (whole blocks of the weight and of the moments,
+``_rows``), the number of rows symbolic; a tensor whose length is not whole rows, and a weight with one scale for
+the whole tensor, take the eager path.
 """
 
 from __future__ import annotations
