@@ -112,7 +112,7 @@ def test_mvas_adamw_and_weights_compiled_track_the_eager_run(monkeypatch):
 
     kernels.reset_compile_stats()
     weight_c, opt_c = run(True)
-    assert kernels.compile_stats()["compiled_calls"] >= 3 * 3  # each step: forward, backward, the update
+    assert kernels.compile_stats()["compiled_calls"] >= 2 * 3  # each step: the forward and the update
     weight_e, _ = run(False)
     diff = (weight_c - weight_e).abs()
     # block scales a few ulps apart move whole blocks by ~1e-7 relative; codes one grid step apart stay rare
