@@ -20,12 +20,11 @@ dividing the shard), so the moments of some world sizes cannot be carried to oth
 
 Deviation: optimizer state is reached through the optimizer's ``state`` dict, keyed by the parameters (DTensors
 under FSDP2, as ``MVASAdamW`` keys them) or by their local tensors; an optimizer with no
-state yet gets it from its ``_init_state`` (``MVASAdamW``'s internals) before a load, until it has a public one.
+state yet gets it from its public ``init_state()`` (``MVASAdamW``, ``CompensatedAdamW``) before a load.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from typing import Any
@@ -72,17 +71,15 @@ def _optimizer_keys(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of ``optimizer`` its (zero) state if it has none yet, as a load needs it (stopgap: the
-    optimizer's ``_init_state``, which ``MVASAdamW`` has)."""
-    init = getattr(optimizer, "_init_state", None)
-    for group in optimizer.param_groups:
-        for t in group["params"]:
-            if not optimizer.state.get(t):
-                if init is None:
-                    raise ValueError(f"{type(optimizer).__name__} has no state to load into yet (take one step, or "
-                                     "load the weights alone with optimizer=None)")
-                # MVASAdamW's takes the parameter and its local tensor (a DTensor's shard); older ones the parameter
-                init(t, _local(t)) if len(inspect.signature(init).parameters) >= 2 else init(t)
+    """Give every parameter of ``optimizer`` its (zero) state if it has none yet, as a load needs it: the
+    optimizer's public ``init_state()`` (``MVASAdamW``, ``CompensatedAdamW``), which keeps existing state."""
+    init = getattr(optimizer, "init_state", None)
+    if init is not None:
+        init()
+        return
+    if not all(optimizer.state.get(t) for group in optimizer.param_groups for t in group["params"]):
+        raise ValueError(f"{type(optimizer).__name__} has no state to load into yet and no init_state() (take one "
+                         "step, or load the weights alone with optimizer=None)")
 
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:

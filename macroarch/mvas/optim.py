@@ -26,10 +26,15 @@ unless ``compile=False`` or ``MACROARCH_COMPILE=0`` (the eager path, the referen
 **Atomic steps.** Before anything is written, every gradient (and the closure's loss, if given) is checked: one
 inf or NaN anywhere skips the whole step (weights, packed or not, moments and step counters untouched) and
 counts it in ``skipped_nonfinite`` (saved in ``state_dict``). The check is one sum per gradient
-(``macroarch.dgr.pipeline.all_finite``).
+(``macroarch.optim.functional.all_finite``).
 
 **DTensor parameters** (FSDP2): the step updates each parameter's local shard (``to_local()``) and keeps its
-state local; the non-finite check sees the local gradients only.
+state local. The skip is decided for all ranks at once: each rank's verdict on its gradient shards and its loss
+is combined over the parameters' mesh (one ``all_reduce`` of two numbers per step), so an inf in one rank's
+shard skips the step on every rank, and the ranks' weights and step counters stay in step.
+
+**Zero state without a step**: ``init_state()`` creates the state (step 0, zero moments, packed where they will
+be, the fp32 master where ``master_weights``) of every parameter that has none, e.g. for a checkpoint loader.
 
 ``state_dict()`` / ``load_state_dict()`` round-trip exactly: torch casts floating state to the parameter's
 dtype on load, so the packed moments and the master copies are put back as they were saved.
@@ -43,12 +48,11 @@ from typing import Any
 
 import torch
 
-from macroarch.dgr.pipeline import all_finite
 from macroarch.mvas import formats, kernels
 from macroarch.mvas.formats import get_format
 from macroarch.mvas.tensor import MVASWeight
 from macroarch.optim._state import restore_saved_state
-from macroarch.optim.functional import adamw_scalars, check_hyperparameters, local
+from macroarch.optim.functional import adamw_scalars, all_finite, check_hyperparameters, local
 
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
 
@@ -109,6 +113,26 @@ class MVASAdamW(torch.optim.Optimizer):
     def _packed_state(state: dict) -> bool:
         return state["exp_avg"].dtype != torch.float32
 
+    @torch.no_grad()
+    def init_state(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Create the zero state of every parameter (or of ``params``, parameters of this optimizer) that has none
+        yet, without stepping: step 0 and zero moments (packed or dense as the first step would make them, shaped
+        after a DTensor's local shard), and the fp32 master copy of a managed weight with ``master_weights``,
+        decoded from the weight now. State already there is kept. For loaders that fill existing tensors
+        (``torch.distributed.checkpoint``, ``macroarch.mvas.dcp``)."""
+        mine = [p for group in self.param_groups for p in group["params"]]
+        if params is None:
+            params = mine
+        else:
+            params, known = list(params), {id(p) for p in mine}
+            for p in params:
+                if id(p) not in known:
+                    raise ValueError(f"init_state: a tensor of shape {tuple(p.shape)} is not a parameter of this "
+                                     "optimizer")
+        for p in params:
+            if not self.state.get(p):
+                self._init_state(p, local(p))
+
     def _init_state(self, p: torch.Tensor, weight: torch.Tensor) -> dict:
         """``p``'s state, shaped after ``weight`` (``p`` itself, or its local shard)."""
         state, p = self.state[p], weight
@@ -158,9 +182,9 @@ class MVASAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [local(p.grad) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.step_was_skipped = (loss is not None and not all_finite([torch.as_tensor(loss).detach()])) or (
-            not all_finite(grads))
+        params = [p for group in self.param_groups for p in group["params"]]
+        checked = [p.grad for p in params] + [None if loss is None else torch.as_tensor(loss).detach()]
+        self.step_was_skipped = not all_finite(checked, over=params)  # on every rank of DTensor parameters alike
         if self.step_was_skipped:
             self.skipped_nonfinite += 1
             return loss

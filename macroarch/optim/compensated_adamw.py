@@ -37,8 +37,18 @@ the skip is counted in ``stats["skipped_nonfinite"]`` (saved in ``state_dict``).
 whose stored weight (the master if there is one, else the parameter) did not change: updates that round to
 zero. ``stats`` holds the counts.
 
-**DTensor parameters** (FSDP2): each update runs on the local shard (``to_local()``) with local state; the
-non-finite check and the gradient norm of ``grad_scale`` see the local gradients only.
+**DTensor parameters** (FSDP2): each update runs on the local shard (``to_local()``) with local state. The
+update's decision is the same on every rank (``macroarch.optim.functional.agree``: one ``all_reduce`` of a few
+numbers over the parameters' mesh per update): an inf/NaN in any rank's gradient shard, a non-finite closure loss
+on any rank, or a guard's skip on any rank skips the update on all of them, and the gradient norm of
+``grad_scale`` is the norm of the whole gradient across the shards, so every rank's scale moves alike. What is
+not agreed: the spike guard judges the losses it is given (its ``lr_factor``, ``"lower_scale"`` backoff and
+trigger log follow them); under data parallelism give it the loss averaged over the ranks (``all_reduce``), or
+the ranks' learning rates can differ; ``count_lost_updates`` counts this rank's elements. Plain parameters under
+DDP need nothing (their gradients are already reduced, the same on every rank).
+
+**Zero state without a step**: ``init_state()`` creates the state (step 0, zero moments, the fp32 master copy)
+of every parameter that has none, e.g. for a checkpoint loader to load into (``macroarch.mvas.dcp``).
 
 Deviations: no amsgrad, no fused kernel, no capturable/differentiable modes. Under DGR (``DGRWrapper.optimizer``)
 the per-parameter state is saved by the DGR optimizer's ``state_dict`` but torch's ``load_state_dict`` there
@@ -56,9 +66,8 @@ from typing import Any
 import torch
 
 from macroarch.dgr.compensation import GradientCompensator
-from macroarch.dgr.pipeline import all_finite
 from macroarch.optim._state import restore_saved_state
-from macroarch.optim.functional import adamw_step_, check_hyperparameters, local
+from macroarch.optim.functional import adamw_step_, agree, check_hyperparameters, local, locally_finite
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
 
@@ -71,7 +80,8 @@ _FLOAT_STATE = ("master", "exp_avg", "exp_avg_sq", "grad_accum")
 
 
 def global_grad_norm(grads: Iterable[torch.Tensor]) -> float:
-    """The 2-norm of all ``grads`` together, computed in fp32 per tensor; inf/NaN if any element is."""
+    """The 2-norm of all ``grads`` together, computed in fp32 per tensor; inf/NaN if any element is. These tensors
+    only: for the shards of DTensor gradients, ``macroarch.optim.functional.agree`` sums over the ranks."""
     total = 0.0
     for g in grads:
         total += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
@@ -163,6 +173,24 @@ class CompensatedAdamW(torch.optim.Optimizer):
         """``p``'s fp32 master copy, or None (no copy, or not created yet: copies appear at the first update)."""
         return self.state.get(p, {}).get("master")
 
+    @torch.no_grad()
+    def init_state(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Create the zero state of every parameter (or of ``params``, parameters of this optimizer) that has none
+        yet, without stepping: step 0, zero moments (local to a DTensor's shard), and the master copy where
+        ``uses_master``, taken from the weight now. What the first update would create; state already there is
+        kept. For loaders that fill existing tensors (``torch.distributed.checkpoint``, ``macroarch.mvas.dcp``)."""
+        mine = self._params()
+        if params is None:
+            params = mine
+        else:
+            params, known = list(params), {id(p) for p in mine}
+            for p in params:
+                if id(p) not in known:
+                    raise ValueError(f"init_state: a tensor of shape {tuple(p.shape)} is not a parameter of this "
+                                     "optimizer")
+        for p in params:
+            self._init_state(p)
+
     @property
     def skipped_nonfinite(self) -> int:
         """Updates skipped for an inf or NaN (``stats["skipped_nonfinite"]``)."""
@@ -225,7 +253,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if not all_finite([torch.as_tensor(loss).detach()]):
+            if not locally_finite([torch.as_tensor(loss).detach()]):
                 self._bad_loss = True
         self._micro += 1
         self.updated = self.step_was_skipped = False
@@ -329,17 +357,20 @@ class CompensatedAdamW(torch.optim.Optimizer):
         skip, nonfinite, self._unscaled = False, self._bad_loss, False
         self._bad_loss = False
         if self.spike_guard is not None:
-            if self.spike_guard.skips(after=self._guard_seen):
-                skip = True
-                self.stats["skipped_spike"] += 1
+            skip = self.spike_guard.skips(after=self._guard_seen)
             nonfinite |= self.spike_guard.saw_nonfinite(after=self._guard_seen)
             self._guard_seen = self.spike_guard.observations
+        if self.grad_scaler is None and grads:
+            nonfinite |= not locally_finite(list(grads.values()))
+        # the same decision on every rank of DTensor parameters (one collective per update; nothing without them)
+        pairs = [(grads[i], params[i]) for i in grads] if self.grad_scaler is not None else []
+        (nonfinite, skip), norm = agree([nonfinite, skip], params, pairs)
+        if skip:
+            self.stats["skipped_spike"] += 1
         if self.grad_scaler is not None:
-            norm = global_grad_norm(grads.values()) / divisor
+            norm /= divisor
             self.grad_scaler.update(norm)
             nonfinite |= not math.isfinite(norm)
-        elif grads:
-            nonfinite |= not all_finite(list(grads.values()))
         if nonfinite:
             self.stats["skipped_nonfinite"] += 1
         w_then = self._snapshots.popleft() if self._snapshots else None

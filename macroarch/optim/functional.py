@@ -13,7 +13,13 @@ between them is storage, never the math (torchao's ``single_param_adam`` is the 
   update is bitwise torch's result; it takes the scalars as arguments, so a compiled caller passes them as
   graph inputs (no recompilation when the step or the learning rate changes);
 - ``adamw_step_``: one tensor's step from the hyperparameters;
-- ``local``: the local shard of a ``DTensor`` (FSDP2 parameters and gradients), other tensors as they are.
+- ``local``: the local shard of a ``DTensor`` (FSDP2 parameters and gradients), other tensors as they are;
+- ``agree`` and ``all_finite``: an optimizer's per-step decision (skip or step, the gradient norm of a loss scale)
+  the same on every rank. Under FSDP2 a rank sees only its shards of the gradients: an inf in rank 1's shard must
+  skip the step on rank 0 too, or the ranks' step counters and weights part silently. When a parameter is a
+  ``DTensor``, the local verdict (flags, squared norms) is summed over its ``device_mesh`` with one ``all_reduce``
+  of a few float64 numbers per distinct mesh (FSDP2: one) per step; without DTensors nothing is communicated
+  (DDP's gradients are already the same on every rank).
 
 Deviations from ``torch.optim.AdamW``: no amsgrad, maximize, capturable or differentiable modes; the math is
 computed in the dtype of the tensors given (callers pass fp32 views or masters; with 16-bit tensors it is, like
@@ -23,11 +29,13 @@ torch's, 16-bit storage between ops).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["AdamWScalars", "adamw_scalars", "adamw_step_", "adamw_update_", "check_hyperparameters", "local"]
+__all__ = ["AdamWScalars", "Agreement", "adamw_scalars", "adamw_step_", "adamw_update_", "agree", "all_finite",
+           "check_hyperparameters", "device_meshes", "local", "locally_finite"]
 
 
 def _number(name: str, value: Any, *, hi: float | None = None) -> float:
@@ -103,3 +111,109 @@ def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is not None and hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh"):
         return tensor.to_local()
     return tensor
+
+
+# ------------------------------------------------------------------------------ decisions across ranks (FSDP2)
+def _is_dtensor(tensor: Any) -> bool:
+    return tensor is not None and hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh")
+
+
+def device_meshes(tensors: Iterable[torch.Tensor | None]) -> list[Any]:
+    """The distinct device meshes of the ``DTensor`` s among ``tensors``, in first-seen order (FSDP2's parameters
+    share one; other tensors have none)."""
+    meshes: list[Any] = []
+    for t in tensors:
+        if _is_dtensor(t) and not any(t.device_mesh is m or t.device_mesh == m for m in meshes):
+            meshes.append(t.device_mesh)
+    return meshes
+
+
+def _replicas(param: Any) -> int:
+    """Ranks of ``param``'s mesh holding each element of its local shard (the sizes of its Replicate dimensions):
+    a squared norm summed over the mesh counts every copy, so each is weighted ``1 / replicas``."""
+    replicas = 1
+    for dim, placement in enumerate(param.placements):
+        if placement.is_partial():
+            raise ValueError(f"a gradient of a DTensor with placements {param.placements} is a partial sum on "
+                             f"mesh dim {dim}: its norm needs the reduced gradient (reduce it first)")
+        if placement.is_replicate():
+            replicas *= param.device_mesh.size(dim)
+    return replicas
+
+
+def _sum_over(mesh: Any, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over every rank of ``mesh`` (one all_reduce per mesh dimension; 1-D meshes: one)."""
+    import torch.distributed as dist
+
+    values = values.to(mesh.device_type)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    return values.cpu()
+
+
+class Agreement(NamedTuple):
+    """One step's decision, the same on every rank of the parameters' meshes."""
+
+    flags: tuple[bool, ...]  # each flag given: True if it is True on any rank
+    norm: float  # the 2-norm of the whole gradients given (across their shards); 0.0 when none were given
+
+
+def agree(flags: Sequence[bool], over: Iterable[torch.Tensor | None],
+          grads: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> Agreement:
+    """The decision of one optimizer step from each rank's view, identical on every rank.
+
+    Args:
+        flags: local verdicts (a non-finite value seen, a skip requested); each comes back True if any rank's is.
+        over: the optimizer's parameters: the meshes of the ``DTensor`` s among them are those summed over; none
+            (no DTensor): nothing is communicated, the flags come back as given.
+        grads: ``(gradient, parameter)`` pairs (the gradient local or a DTensor) whose 2-norm is wanted: each
+            tensor's norm in fp32, squared and summed in float64, the shards of a DTensor parameter's gradient summed
+            over its mesh (a replicated one counted once), so it is the norm of the whole gradient. Without
+            DTensors it is ``sqrt(sum(norm(g) ** 2))`` (``CompensatedAdamW.global_grad_norm``). inf/NaN propagate.
+
+    Every rank must call it at the same step with the same parameters (it is a collective when ``over`` holds
+    DTensors): callers call it once per update, whatever their local verdict.
+    """
+    grads = list(grads)
+    meshes = device_meshes([*over, *(p for _, p in grads)])
+    if not meshes:
+        total = 0.0
+        for g, _ in grads:
+            total += float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+        return Agreement(tuple(bool(f) for f in flags), math.sqrt(total))
+    squares = [0.0] * (len(meshes) + 1)  # per mesh, then the plain (same on every rank) gradients
+    for g, p in grads:
+        square = float(torch.linalg.vector_norm(local(g), dtype=torch.float32)) ** 2
+        if _is_dtensor(p):
+            index = next(i for i, m in enumerate(meshes) if p.device_mesh is m or p.device_mesh == m)
+            squares[index] += square / _replicas(p)
+        else:
+            squares[-1] += square
+    total, anywhere = squares[-1], [False] * len(flags)
+    for index, mesh in enumerate(meshes):
+        summed = _sum_over(mesh, torch.tensor([squares[index], *(float(bool(f)) for f in flags)],
+                                              dtype=torch.float64)).tolist()
+        total += summed[0]
+        anywhere = [a or s > 0 for a, s in zip(anywhere, summed[1:])]
+    return Agreement(tuple(anywhere), math.sqrt(total))
+
+
+def locally_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of every (local) tensor is finite, with one synchronisation: each tensor's sum is
+    checked (inf and NaN propagate into it, and it needs no temporary; a sum that overflows, elements near 1e36 and
+    beyond, counts as non-finite), an fp16 tensor's elements one by one (its sum would overflow at 65504). The same
+    check as ``macroarch.dgr.pipeline.all_finite``; this rank's tensors only."""
+    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
+        return True  # fake tensors (full-size memory measurements) have no values to check
+    flags = [torch.isfinite(t).all() if t.dtype == torch.float16 else torch.isfinite(t.sum()) for t in tensors]
+    return not flags or bool(torch.stack(flags).all())
+
+
+def all_finite(tensors: Iterable[torch.Tensor | None], over: Iterable[torch.Tensor | None] = ()) -> bool:
+    """Whether every element of every tensor (None skipped; a DTensor: its local shard) is finite on every rank:
+    the local check (``locally_finite``, one sum per tensor) combined by ``agree`` over the
+    meshes of the DTensors among ``tensors`` and ``over`` (pass the parameters: a collective then, every rank
+    must call it)."""
+    tensors = [t for t in tensors if t is not None]
+    finite = locally_finite([local(t) for t in tensors])
+    return not agree([not finite], [*tensors, *over]).flags[0]

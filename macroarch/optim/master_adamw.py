@@ -47,8 +47,7 @@ class MasterWeightAdamW(CompensatedAdamW):
         master_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, master_weights=True, master_dtype=master_dtype)
-        for p in self._params():
-            self._init_state(p)
+        self.init_state()
 
     def uses_master(self, p: torch.Tensor) -> bool:
         """A master copy for every parameter not already in ``master_dtype``."""

@@ -83,3 +83,93 @@ def test_dtensor_parameters_update_their_local_shard_with_local_state(one_rank_m
         state = opt.state[p]
         assert not any(isinstance(v, DTensor) for v in state.values())  # state is local
         assert torch.equal(state["exp_avg"], ref_opt.state[r]["exp_avg"])
+
+
+def _packed_linear():
+    from macroarch.mvas import apply, plan_from_rules
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    apply(model, plan_from_rules(model, [("weight", "fp8")], block_size=32, min_numel=0))
+    return model
+
+
+@pytest.mark.parametrize("case", ["compensated", "compensated_master", "mvas", "mvas_master"])
+def test_init_state_creates_the_zero_state_the_first_step_would(case):
+    from macroarch.mvas import MVASWeight
+
+    if case.startswith("compensated"):
+        def build():
+            torch.manual_seed(0)
+            model = torch.nn.Linear(64, 32).to(torch.bfloat16 if case.endswith("master") else torch.float32)
+            return model, CompensatedAdamW(model.parameters(), lr=1e-2, master_weights=case.endswith("master"))
+    else:
+        def build():
+            model = _packed_linear()
+            return model, MVASAdamW(model.parameters(), lr=1e-2, min_state_numel=0, state_block_size=128, seed=0,
+                                    master_weights=case.endswith("master"), compile=False)
+
+    def stored(model):
+        return [p.payload.clone() if isinstance(p, MVASWeight) else p.detach().clone() for p in model.parameters()]
+
+    eager, eager_opt = build()
+    lazy, lazy_opt = build()
+    weights = stored(eager)
+    eager_opt.init_state()
+    assert [torch.equal(a, b) for a, b in zip(stored(eager), weights)] == [True, True]  # no step taken
+    for p in eager.parameters():
+        state = eager_opt.state[p]
+        assert float(state["step"]) == 0.0
+        assert not state["exp_avg"].view(torch.uint8).any() and not state["exp_avg_sq"].view(torch.uint8).any()
+        assert ("master" in state) == (case.endswith("master") and (case == "compensated_master" or p.dim() == 2))
+    assert eager_opt.state[eager.weight]["exp_avg"].dtype == (torch.float8_e4m3fn if case.startswith("mvas") else
+                                                             torch.float32)
+    for step in range(2):  # then it steps as the optimizer that created its state lazily, bit for bit
+        for m in (eager, lazy):
+            m(torch.randn(4, 64, generator=torch.Generator().manual_seed(step)).to(m.bias.dtype)).square().sum() \
+                .backward()
+        eager_opt.step()
+        lazy_opt.step()
+        if step == 0:
+            assert set(eager_opt.state[eager.weight]) == set(lazy_opt.state[lazy.weight])
+            eager_opt.init_state()  # existing state is kept
+    assert all(torch.equal(a, b) for a, b in zip(stored(eager), stored(lazy)))
+    for p, q in zip(eager.parameters(), lazy.parameters()):
+        for key, value in eager_opt.state[p].items():
+            other = lazy_opt.state[q][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, key
+    with pytest.raises(ValueError, match=r"shape \(3,\) is not a parameter of this optimizer"):
+        eager_opt.init_state([torch.nn.Parameter(torch.ones(3))])
+
+
+def test_agree_without_dtensors_communicates_nothing_and_sums_norms_as_one_process():
+    from macroarch.optim import global_grad_norm
+    from macroarch.optim.functional import agree, all_finite
+
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))]
+    result = agree([True, False], params, zip(grads, params))
+    assert result.flags == (True, False) and result.norm == global_grad_norm(grads)
+    assert all_finite(grads, over=params) and not all_finite([grads[0], torch.tensor(float("nan"))], over=params)
+
+
+def test_agree_over_a_mesh_counts_replicated_gradients_once_and_refuses_partial_sums(one_rank_mesh):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from macroarch.optim.functional import agree, all_finite, device_meshes
+
+    g = torch.randn(8, 4)
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), one_rank_mesh, [Shard(0)]))
+    replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), one_rank_mesh, [Replicate()]))
+    plain = torch.nn.Parameter(torch.zeros(8, 4))
+    assert len(device_meshes([sharded, replicated, plain, None])) == 1
+    result = agree([False, True], [sharded, replicated, plain],
+                   [(distribute_tensor(g, one_rank_mesh, [Shard(0)]), sharded), (g, replicated), (g, plain)])
+    assert result.flags == (False, True)
+    assert result.norm == pytest.approx(3 ** 0.5 * torch.linalg.vector_norm(g).item(), rel=1e-6)
+    sharded.grad = distribute_tensor(g.clone(), one_rank_mesh, [Shard(0)])
+    sharded.grad.to_local()[0, 0] = float("inf")
+    assert not all_finite([sharded.grad]) and all_finite([g], over=[sharded])
+    partial = DTensor.from_local(torch.zeros(8, 4), one_rank_mesh, [Partial()])  # a gradient not yet reduced
+    with pytest.raises(ValueError, match="partial sum on mesh dim 0"):
+        agree([], [partial], [(g, partial)])
