@@ -39,22 +39,26 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from macroarch.mvas.formats import decode, encode, get_format, noise_bits
+from macroarch.mvas.formats import _e2m1_byte_table, decode, encode, get_format, noise_bits
 from macroarch.optim.functional import adamw_update_
 
 __all__ = ["ENV", "StepSpec", "adamw_step", "compile_enabled", "compile_stats", "counter_noise", "dequantize",
-           "reset_compile_stats"]
+           "reset_compile_stats", "vec_isa"]
 
 ENV = "MACROARCH_COMPILE"
 """Set to ``0`` (or ``false``) to run every kernel eagerly."""
 _MASK = 0xFFFFFFFF
 _RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's default of 8 is per function)
-_STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0}
+_STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
+          "check_seconds": 0.0, "mismatches": 0}
+_GUARD = True  # check the first compiled call of each kernel against the eager path (``_check``)
+_VERIFIED: dict[tuple, bool] = {}  # kernel (``_signature``) -> its first compiled call matched eager
 _COMPILED: dict[str, Any] = {}
 _SPECS: dict[StepSpec, StepSpec] = {}
 
@@ -74,7 +78,7 @@ def compile_stats() -> dict[str, float]:
 
 def reset_compile_stats() -> None:
     for key in _STATS:
-        _STATS[key] = 0.0 if key == "compile_seconds" else 0
+        _STATS[key] = 0.0 if key.endswith("_seconds") else 0
 
 
 # --------------------------------------------------------------------------------------------- noise
@@ -205,13 +209,42 @@ def _rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if t is None else t.view(rows, -1)
 
 
-def _run(name: str, compile: bool | None, tensors: list[torch.Tensor | None], rows: int | None, *args: Any) -> Any:
-    source = _SOURCES[name]
-    if rows is None or not compile_enabled(compile) or not _eligible(tensors):
-        _STATS["eager_calls"] += 1
-        return source(*args)
+def _inductor_options() -> dict[str, Any]:
+    """Inductor options for the kernels: ``cpp.simdlen`` pinned to the vector width Inductor picks in this process
+    (the user's own ``cpp.simdlen`` if set), so that it is part of the FX graph cache key (module docstring:
+    the cache and the CPU's vector ISA). It changes no generated code: Inductor picks the same ISA by that width."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if inductor_config.cpp.simdlen is not None:
+        return {"cpp.simdlen": inductor_config.cpp.simdlen}
+    isa = pick_vec_isa()
+    return {"cpp.simdlen": isa.bit_width() if isa else 1}  # 1: no vectorisation (no vector ISA here)
+
+
+def vec_isa() -> str:
+    """The CPU vector ISA Inductor compiles the kernels for in this process (``pick_vec_isa``, which honours
+    ``ATEN_CPU_CAPABILITY``)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa()) or "none"
+
+
+def _signature(args: tuple) -> tuple:
+    """What makes a distinct compiled kernel: the static arguments, and the dtype, device and row length (not the
+    number of rows, which is symbolic) of every tensor."""
+    parts: list[Any] = []
+    for a in torch.utils._pytree.tree_leaves(args):
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.device.type, tuple(a.shape[1:]) if a.dim() == 2 else tuple(a.shape)))
+        else:
+            parts.append(a)
+    return tuple(parts)
+
+
+def _compiled(name: str, args: tuple) -> Any:
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(source, dynamic=False, fullgraph=True)
+        _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True, options=_inductor_options())
     for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
         if isinstance(t, torch.Tensor) and t.dim() == 2:  # size); formats, blocks and row lengths are static
             torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -233,6 +266,116 @@ def _run(name: str, compile: bool | None, tensors: list[torch.Tensor | None], ro
     return result
 
 
+def _run(name: str, compile: bool | None, tensors: list[torch.Tensor | None], rows: int | None, args: tuple,
+         eager_args: tuple | None = None, written: list[tuple[Any, str]] | None = None) -> Any:
+    """Run kernel ``name`` compiled on ``args`` (rows), or eagerly on ``eager_args`` (default ``args``). The first
+    compiled call of each kernel (``_signature``) in a process is checked against the eager path (``_check``);
+    ``written``: the tensors ``args`` writes in place with their formats (the step), None for the dequantisation."""
+    source = _SOURCES[name]
+    eager_args = args if eager_args is None else eager_args
+    if rows is None or not compile_enabled(compile) or not _eligible(tensors):
+        _STATS["eager_calls"] += 1
+        return source(*eager_args)
+    key = (name, _signature(args))
+    verdict = _VERIFIED.get(key)
+    if verdict is False:  # this kernel differed from the eager path in this process: eager from then on
+        _STATS["eager_calls"] += 1
+        return source(*eager_args)
+    if verdict is None and _GUARD:
+        return _check(name, key, args, eager_args, written)
+    return _compiled(name, args)
+
+
+def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[tuple[Any, str]] | None) -> Any:
+    """The first compiled call of a kernel: the compiled kernel runs on copies of what it writes, the eager path on
+    the caller's tensors (so they are written once, by the reference), and the two results are compared (the
+    dequantisation bitwise, the step within the bounds of the module docstring). A mismatch warns once and
+    sends this kernel to the eager path for the rest of the process."""
+    start = time.perf_counter()
+    if written is None:
+        result = _compiled(name, args)
+        start = time.perf_counter()  # the compiled call is the caller's own; the check costs the rest
+        expected = _SOURCES[name](*eager_args).view(result.shape)
+        problem = _bitwise_difference(result, expected)
+        result = expected
+    else:
+        copies = {id(t): t.clone() for t, _ in written if t is not None}
+        swap = lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        compiled_args = torch.utils._pytree.tree_map(swap, args)
+        lap = time.perf_counter()
+        _compiled(name, compiled_args)
+        start -= time.perf_counter() - lap
+        result = _SOURCES[name](*eager_args)
+        _STATS["eager_calls"] += 1
+        problem = None
+        for t, fmt in written:
+            if t is not None and problem is None:
+                problem = _step_difference(copies[id(t)], t, fmt)
+    _STATS["check_seconds"] += time.perf_counter() - start
+    _STATS["checks"] += 1
+    _VERIFIED[key] = problem is None
+    if problem is not None:
+        _STATS["mismatches"] += 1
+        spec = args[-1] if name == "adamw_step" else "format {}, block {}, {}".format(*args[2:5])
+        warnings.warn(f"macroarch.mvas.kernels: the compiled {name} kernel for {spec} differs from the eager path "
+                      f"on vector ISA {vec_isa()!r} ({problem}); this process runs that kernel eagerly from now on. "
+                      "A stale Inductor cache (TORCHINDUCTOR_CACHE_DIR) written under another ISA is one cause.",
+                      RuntimeWarning, stacklevel=4)
+    return result
+
+
+def _bitwise_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None if ``got`` is ``want`` bit for bit (any NaN matching any NaN), else what differs."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    same = (got.view(ints) == want.view(ints)) | (got.isnan() & want.isnan())
+    if bool(same.all()):
+        return None
+    bad = (~same).view(-1).nonzero()[0, 0]
+    return (f"{int((~same).sum())} of {same.numel()} values not bitwise equal, the first at index {int(bad)}: "
+            f"{float(got.view(-1)[bad])!r} instead of {float(want.view(-1)[bad])!r}")
+
+
+def _grid_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Stored codes as the (unscaled) values they stand for, float32: fp4 bytes as their two nibbles."""
+    if fmt == "fp4_e2m1":
+        return _e2m1_byte_table(codes.device)[codes.long()].view(-1)
+    return codes.float().view(-1)
+
+
+def _step_difference(got: torch.Tensor, want: torch.Tensor, fmt: str) -> str | None:
+    """None if what the compiled step wrote (``got``) matches the eager step (``want``) within the bounds of the
+    module docstring, else what differs. fp32 (masters, scales, dense moments): within 2^-16 of the value or of
+    the tensor's largest magnitude; codes: at most 1 in 500 (and 2) differ, each by at most one grid step."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{fmt}: got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
+    if fmt == "fp32":
+        g, w = got.view(-1), want.view(-1)
+        finite = w.isfinite()
+        scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
+        ok = ((g - w).abs() <= 2.0 ** -16 * (w.abs() + scale)) | (g.isnan() & w.isnan()) | (g == w)
+        if bool(ok.all()):
+            return None
+        bad = (~ok).nonzero()[0, 0]
+        return (f"fp32: {int((~ok).sum())} of {ok.numel()} values beyond 2^-16 relative, the first at index "
+                f"{int(bad)}: {float(g[bad])!r} instead of {float(w[bad])!r}")
+    info = get_format(fmt)
+    g, w = _grid_values(got, fmt), _grid_values(want, fmt)
+    differ = (g.view(torch.int32) != w.view(torch.int32)) & ~(g.isnan() & w.isnan())
+    count = int(differ.sum())
+    if count == 0:
+        return None
+    floor = 2.0 ** (2 - 2 ** (info.exponent_bits - 1))  # the smallest normal: the subnormals' spacing below it
+    spacing = torch.minimum(g.abs(), w.abs()).clamp(min=floor) * 2.0 ** -info.mantissa_bits
+    far = differ & ~((g - w).abs() <= spacing * 1.0001)
+    if count <= 2e-3 * differ.numel() + 2 and not bool(far.any()):
+        return None
+    bad = (far if bool(far.any()) else differ).nonzero()[0, 0]
+    return (f"{fmt}: {count} of {differ.numel()} codes differ ({int(far.sum())} by more than one grid step), the "
+            f"first at element {int(bad)}: {float(g[bad])!r} instead of {float(w[bad])!r}")
+
+
 def _row_length(*units: int) -> int:
     length = 1
     for unit in units:
@@ -252,8 +395,9 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
         block_size is not None or not info.block_scaled) else None
     if rows is None or not eager_fallback and not (compile_enabled(compile) and _eligible([payload, scales])):
         return _dequantize(payload, scales, fmt, block_size, dtype) if eager_fallback else None
-    return _run("dequantize", compile, [payload, scales], rows, _rows(payload, rows), _rows(scales, rows), fmt,
-                block_size, dtype).view(-1)
+    return _run("dequantize", compile, [payload, scales], rows,
+                (_rows(payload, rows), _rows(scales, rows), fmt, block_size, dtype),
+                (payload, scales, fmt, block_size, dtype)).view(-1)
 
 
 def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple, exp_avg_sq: tuple,
@@ -271,12 +415,16 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     length = _row_length(*units)
     rows = n // length if n % length == 0 and n >= 2 * length else None
     tensors = [grad, master, *weight, *exp_avg, *exp_avg_sq]
-    if rows is None:
-        return _run("adamw_step", False, tensors, None, grad, weight, master, exp_avg, exp_avg_sq, counter,
-                    scalars, spec)
-    if not (compile_enabled(compile) and _eligible(tensors)):
-        return _run("adamw_step", False, tensors, None, grad, weight, master, exp_avg, exp_avg_sq, counter,
-                    scalars, spec)
+    flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec)
+    if rows is None or not (compile_enabled(compile) and _eligible(tensors)):
+        return _run("adamw_step", False, tensors, None, flat)
     pair = lambda p: tuple(_rows(t, rows) for t in p)  # noqa: E731
-    _run("adamw_step", compile, tensors, rows, _rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg),
-         pair(exp_avg_sq), counter, torch.tensor(scalars, dtype=torch.float64), spec)
+    args = (_rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq), counter,
+            torch.tensor(scalars, dtype=torch.float64), spec)
+    dense = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    state = spec.state_format
+    weight_format = dense.get(weight[0].dtype, "fp32") if spec.weight_format == "dense" else spec.weight_format
+    written = [(args[1][0], weight_format),
+               (args[1][1], "fp32"), (args[2], "fp32"),
+               (args[3][0], state), (args[3][1], "fp32"), (args[4][0], state), (args[4][1], "fp32")]
+    _run("adamw_step", compile, tensors, rows, args, flat, written)

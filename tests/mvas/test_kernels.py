@@ -1,9 +1,15 @@
 """mvas.kernels: the counter-based noise, and the compiled kernels against the eager path (the reference).
 
 The compiled tests are marked slow: each storage combination is one C++ compilation (10-60 s on a loaded core).
-They compile three kernels in all (one AdamW step, two dequantisations)."""
+They compile three kernels in all (one AdamW step, two dequantisations), and the AVX2 test four more, twice, in
+subprocesses. The guard test needs no compiler (its "compiled" kernel is a stand-in)."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -64,7 +70,8 @@ def _codes_close(a, b, scales, fmt):
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_sizes_and_steps():
+def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_sizes_and_steps(monkeypatch):
+    monkeypatch.setattr(kernels, "_GUARD", False)  # the compiled result itself, not the guard's eager one
     kernels.reset_compile_stats()
     for step, n in ((1, 4096), (7, 3 * 8192)):  # two sizes, two steps (new scalars): one compilation
         (w, m, v), grad = _storage(n, step)
@@ -83,7 +90,8 @@ def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_si
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt, dtype", [("fp8_e4m3", torch.float32), ("fp4_e2m1", torch.bfloat16)])
-def test_compiled_dequantize_is_bitwise_eager(fmt, dtype):
+def test_compiled_dequantize_is_bitwise_eager(fmt, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "_GUARD", False)
     kernels.reset_compile_stats()
     for n in (512, 4096 + 1024):  # two sizes, one kernel
         p = pack(torch.randn(n), fmt, 32)
@@ -111,10 +119,134 @@ def test_mvas_adamw_and_weights_compiled_track_the_eager_run(monkeypatch):
         return net.weight.dequantize(torch.float32), opt
 
     kernels.reset_compile_stats()
+    monkeypatch.setattr(kernels, "_VERIFIED", {})  # the guard checks each kernel's first call again
     weight_c, opt_c = run(True)
-    assert kernels.compile_stats()["compiled_calls"] >= 2 * 3  # each step: the forward and the update
+    stats = kernels.compile_stats()
+    assert stats["compiled_calls"] >= 2 * 3  # each step: the forward and the update
+    assert stats["checks"] >= 2 and stats["mismatches"] == 0
     weight_e, _ = run(False)
     diff = (weight_c - weight_e).abs()
     # block scales a few ulps apart move whole blocks by ~1e-7 relative; codes one grid step apart stay rare
     assert float((diff > 1e-5 * weight_e.abs()).double().mean()) <= 2e-3
     assert float(diff.max()) <= float(weight_e.abs().max()) * 2.0 ** -3
+
+
+def _bad_compiled(calls):
+    """A stand-in for ``kernels._compiled`` that runs the eager source and then corrupts what it returns or writes."""
+    def compiled(name, args):
+        calls.append(name)
+        result = kernels._SOURCES[name](*args)
+        if name == "dequantize":
+            return result.index_fill(-1, torch.tensor([0]), float("nan"))
+        args[1][0][0].view(torch.uint8).fill_(0x7E)  # the first row of the weight's codes: 448, the e4m3 max
+        return result
+    return compiled
+
+
+def test_a_compiled_kernel_that_differs_from_eager_warns_once_and_the_eager_result_is_used(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "_compiled", _bad_compiled(calls))
+    kernels.reset_compile_stats()
+    p = pack(torch.randn(512), "fp8_e4m3", 32)
+    with pytest.warns(RuntimeWarning, match=r"dequantize kernel for format fp8_e4m3.*differs.*vector ISA"):
+        out = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, 512, torch.float32, compile=True)
+    assert torch.equal(out, p.dequantize_range(0, 512))  # the eager result, not the corrupted one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the kernel runs eagerly from now on, silently
+        again = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, 512, torch.float32, compile=True)
+    assert torch.equal(again, out) and calls == ["dequantize"]
+
+    n = 4096
+    (w, m, v), grad = _storage(n, 5)
+    twin = copy.deepcopy((w, m, v))
+    scalars = adamw_scalars(5.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
+    counter = torch.tensor([kernels.stream_key(0, 0, 5), 0])
+    with pytest.warns(RuntimeWarning, match=r"adamw_step kernel for StepSpec.*fp8_e4m3: \d+ of 4096 codes differ"):
+        kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
+    kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
+                       compile=False)
+    for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):  # written once, by the eager path
+        assert torch.equal(payload.view(torch.uint8), payload_e.view(torch.uint8)) and torch.equal(scales, scales_e)
+    stats = kernels.compile_stats()
+    assert stats["checks"] == 2 and stats["mismatches"] == 2 and calls == ["dequantize", "adamw_step"]
+
+
+def test_a_kernel_that_matches_eager_is_checked_once_then_runs_compiled(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "_compiled", lambda name, args: calls.append(name) or kernels._SOURCES[name](*args))
+    kernels.reset_compile_stats()
+    p = pack(torch.randn(512), "fp4_e2m1", 32)
+    for _ in range(3):
+        out = kernels.dequantize(p.payload, p.scales, "fp4_e2m1", 32, 512, torch.float32, compile=True)
+        assert torch.equal(out, p.dequantize_range(0, 512))
+    stats = kernels.compile_stats()
+    assert calls == ["dequantize"] * 3 and stats["checks"] == 1 and stats["mismatches"] == 0
+
+
+_AVX2_SCRIPT = r"""
+import json, sys, copy, torch
+from macroarch.mvas import kernels
+from macroarch.mvas.formats import pack
+from macroarch.mvas.optim import _min_subnormal
+from macroarch.optim.functional import adamw_scalars
+kernels._GUARD = False  # the compiled kernels themselves
+result = {"isa": kernels.vec_isa(), "dequantize": {}}
+g = torch.Generator().manual_seed(0)
+for fmt in ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1"):
+    n = 4096
+    p = pack(torch.randn(n, generator=g) * 3, fmt, 32)
+    if fmt != "fp4_e2m1":  # every code but NaN, at every position of a vector
+        codes = torch.arange(256, dtype=torch.uint8).repeat(n // 256)
+        finite = codes.view(p.payload.dtype).float().isfinite()
+        p.payload.view(torch.uint8).copy_(torch.where(finite, codes, 0))
+    else:
+        p.payload.copy_(torch.arange(256, dtype=torch.uint8).repeat(n // 512))
+    fused = kernels.dequantize(p.payload, p.scales, fmt, 32, n, torch.float32, compile=True)
+    eager = kernels.dequantize(p.payload, p.scales, fmt, 32, n, torch.float32, compile=False)
+    result["dequantize"][fmt] = int((fused.view(torch.int32) != eager.view(torch.int32)).sum())
+spec = kernels.StepSpec("fp8_e4m3", 32, True, False, "fp8_e4m3", 128, _min_subnormal("fp8_e4m3"))
+n = 8192
+w, m, v = (pack(x, "fp8_e4m3", b) for x, b in ((torch.randn(n, generator=g), 32),
+           (torch.randn(n, generator=g) * 1e-2, 128), (torch.rand(n, generator=g) * 1e-3, 128)))
+state = [[t.payload.clone(), t.scales.clone()] for t in (w, m, v)]
+twin = copy.deepcopy(state)
+grad = torch.randn(n, generator=g)
+scalars = adamw_scalars(3.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
+counter = torch.tensor([kernels.stream_key(0, 0, 3), 0])
+kernels.adamw_step(grad, tuple(state[0]), None, tuple(state[1]), tuple(state[2]), counter, scalars, spec, compile=True)
+kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, spec, compile=False)
+result["step"] = [kernels._step_difference(a, b, f) for (pa, sa), (pb, sb) in zip(state, twin)
+                  for a, b, f in ((pa, pb, "fp8_e4m3"), (sa, sb, "fp32"))]
+result["compiled_calls"] = kernels.compile_stats()["compiled_calls"]
+print(json.dumps(result))
+"""
+
+
+def _run_kernels(cache_dir, capability):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), kernels.ENV: "1", "OMP_NUM_THREADS": "1"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if capability:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    done = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_compiled_kernels_equal_eager_under_avx2_with_a_cache_written_under_the_machines_own_isa(tmp_path):
+    """The regression of the stale-ISA cache: a process with the machine's own vector ISA (AVX-512 here) fills a
+    fresh Inductor cache, then a process emulating AVX2 (``ATEN_CPU_CAPABILITY=avx2``) compiles the same kernels
+    with that cache: dequantisation of every code bitwise eager, the step within the stated bounds."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    if not any(str(isa) == "avx2" for isa in valid_vec_isa_list()):
+        pytest.skip("this CPU has no AVX2")
+    native = _run_kernels(tmp_path, None)
+    emulated = _run_kernels(tmp_path, "avx2")
+    assert emulated["isa"] == "avx2"
+    for result in (native, emulated):
+        assert result["dequantize"] == {"fp8_e4m3": 0, "fp8_e5m2": 0, "fp4_e2m1": 0}, result
+        assert result["step"] == [None] * 6 and result["compiled_calls"] == 4, result
