@@ -89,6 +89,7 @@ import torch
 from macroarch._autograd import at_backward_end, backward_pass_id
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
+from macroarch.optim.functional import all_finite
 
 MODES = ("sync", "interleaved")
 CLIP_MODES = ("per_group",)
@@ -156,16 +157,6 @@ class PipelineConfig:
         if len(value) != n_groups:
             raise ValueError(f"{name} has {len(value)} entries but the grouping has {n_groups} groups")
         return value
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of every tensor is finite, with one synchronisation: each tensor's sum is checked
-    (inf and NaN propagate into it, and it needs no temporary; a sum that overflows, elements near 1e36 and
-    beyond, counts as non-finite), an fp16 tensor's elements one by one (its sum would overflow at 65504)."""
-    if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
-        return True  # fake tensors (full-size memory measurements) have no values to check
-    flags = [torch.isfinite(t).all() if t.dtype == torch.float16 else torch.isfinite(t.sum()) for t in tensors]
-    return not flags or bool(torch.stack(flags).all())
 
 
 def _on_grad_ready(ref: weakref.ref, param: torch.Tensor) -> None:
@@ -418,7 +409,7 @@ class DGROptimizer(torch.optim.Optimizer):
             return
         if all(g is None for g in fresh) and not delay:
             return
-        if not all_finite([g for g in fresh if g is not None]):
+        if not all_finite(fresh, over=params):  # every rank's shards: under FSDP2 all ranks skip or all step
             self._poison()
             _skip(inner, nonfinite=True)
             self._finish(index, params)

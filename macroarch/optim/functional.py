@@ -202,7 +202,7 @@ def locally_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of every (local) tensor is finite, with one synchronisation: each tensor's sum is
     checked (inf and NaN propagate into it, and it needs no temporary; a sum that overflows, elements near 1e36 and
     beyond, counts as non-finite), an fp16 tensor's elements one by one (its sum would overflow at 65504). The same
-    check as ``macroarch.dgr.pipeline.all_finite``; this rank's tensors only."""
+    check DGR makes before a group steps; this rank's tensors only."""
     if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
         return True  # fake tensors (full-size memory measurements) have no values to check
     flags = [torch.isfinite(t).all() if t.dtype == torch.float16 else torch.isfinite(t.sum()) for t in tensors]
