@@ -436,7 +436,12 @@ def verdict_texts(sw: Sweep, a: Analysis) -> dict[str, str]:
                 f"{a.optimum['plain', usual]:.3f}x of {p['base_lr']:g}); longer warmup gain "
                 f"{a.warmup_gain[macro]:+.4f} ({macro}), {a.warmup_gain['plain']:+.4f} (plain); "
                 f"seed s.e. {a.noise:.4f}")
+    n = len(sw.seeds)
+    resamples = math.comb(2 * n - 1, n)  # distinct multisets of n seeds drawn with replacement
     note = (("the interval contains 1: no shift is distinguishable from seed noise; " if lo <= 1 <= hi else "")
+            + (f"with {n} seeds the bootstrap has only {resamples} distinct resamples: read the interval as the "
+               f"spread of those, not as a 90% interval, and the grade as resting on the point estimate; "
+               if resamples < 20 else "")
             + (f"MVAS + DGR stack: optimum {a.optimum['mvas', recipe]:.3f}x with +30% warmup, "
                f"{a.optimum['mvas', usual]:.3f}x with the usual; " if "mvas" in p["stacks"] else "")
             + f"same-warmup shift {a.same_warmup_shift:.3f}; recipe ({a.near:g}x, +30% warmup) vs usual on {macro}: "
