@@ -52,7 +52,7 @@ from macroarch.mvas import formats, kernels
 from macroarch.mvas.formats import get_format
 from macroarch.mvas.tensor import MVASWeight
 from macroarch.optim._state import restore_saved_state
-from macroarch.optim.functional import adamw_scalars, all_finite, check_hyperparameters, local
+from macroarch.optim.functional import adamw_scalars, all_finite, check_hyperparameters, local, owned_params
 
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
 
@@ -120,15 +120,7 @@ class MVASAdamW(torch.optim.Optimizer):
         after a DTensor's local shard), and the fp32 master copy of a managed weight with ``master_weights``,
         decoded from the weight now. State already there is kept. For loaders that fill existing tensors
         (``torch.distributed.checkpoint``, ``macroarch.mvas.dcp``)."""
-        mine = [p for group in self.param_groups for p in group["params"]]
-        if params is None:
-            params = mine
-        else:
-            params, known = list(params), {id(p) for p in mine}
-            for p in params:
-                if id(p) not in known:
-                    raise ValueError(f"init_state: a tensor of shape {tuple(p.shape)} is not a parameter of this "
-                                     "optimizer")
+        params = owned_params(self, params)
         for p in params:
             if not self.state.get(p):
                 self._init_state(p, local(p))

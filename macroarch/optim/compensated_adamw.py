@@ -67,7 +67,7 @@ import torch
 
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.optim._state import restore_saved_state
-from macroarch.optim.functional import adamw_step_, agree, check_hyperparameters, local, locally_finite
+from macroarch.optim.functional import adamw_step_, agree, check_hyperparameters, local, locally_finite, owned_params
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
 
@@ -179,15 +179,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         yet, without stepping: step 0, zero moments (local to a DTensor's shard), and the master copy where
         ``uses_master``, taken from the weight now. What the first update would create; state already there is
         kept. For loaders that fill existing tensors (``torch.distributed.checkpoint``, ``macroarch.mvas.dcp``)."""
-        mine = self._params()
-        if params is None:
-            params = mine
-        else:
-            params, known = list(params), {id(p) for p in mine}
-            for p in params:
-                if id(p) not in known:
-                    raise ValueError(f"init_state: a tensor of shape {tuple(p.shape)} is not a parameter of this "
-                                     "optimizer")
+        params = owned_params(self, params)
         for p in params:
             self._init_state(p)
 

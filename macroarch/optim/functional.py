@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["AdamWScalars", "Agreement", "adamw_scalars", "adamw_step_", "adamw_update_", "agree", "all_finite",
-           "check_hyperparameters", "device_meshes", "local", "locally_finite"]
+           "check_hyperparameters", "device_meshes", "local", "locally_finite", "owned_params"]
 
 
 def _number(name: str, value: Any, *, hi: float | None = None) -> float:
@@ -103,6 +103,19 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     ``torch.optim.AdamW`` (single-tensor path) on the same tensors."""
     scalars = adamw_scalars(step, lr, beta1, beta2, eps, weight_decay)
     adamw_update_(param, grad, exp_avg, exp_avg_sq, *scalars, decay_always=False)
+
+
+def owned_params(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None) -> list[torch.Tensor]:
+    """``params`` (default: every parameter of ``optimizer``), each checked to be one of ``optimizer``'s: the
+    selection of an optimizer's ``init_state(params)``."""
+    mine = [p for group in optimizer.param_groups for p in group["params"]]
+    if params is None:
+        return mine
+    params, known = list(params), {id(p) for p in mine}
+    for p in params:
+        if id(p) not in known:
+            raise ValueError(f"init_state: a tensor of shape {tuple(p.shape)} is not a parameter of this optimizer")
+    return params
 
 
 def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
