@@ -46,7 +46,7 @@ from torch import nn
 from macroarch import mvas
 from macroarch.config import ConfigError, MacroConfig, load_config
 from macroarch.dgr import DGRWrapper
-from macroarch.dgr.distributed import data_parallel, fully_shard_groups
+from macroarch.dgr.distributed import data_parallel, fully_shard_groups, shard_blocks
 from macroarch.models.layers import find_repeated_layers
 from macroarch.optim import CompensatedAdamW
 
@@ -179,11 +179,7 @@ def apply(model: nn.Module, config: MacroConfig | str | Any, *, example_inputs: 
 
 
 def _shard_blocks(module: nn.Module, blocks: list[str], managed: bool) -> None:
-    """FSDP2's usual plan: each block its own unit, then the root; packed all-gathers for managed weights."""
-    if managed:
-        from macroarch.mvas.fsdp import fully_shard as shard
-    else:
-        from torch.distributed.fsdp import fully_shard as shard
-    for name in blocks:
-        shard(module.get_submodule(name))
-    shard(module)
+    """``shard_blocks``, with packed all-gathers (``mvas.fsdp.fully_shard``) when weights are managed."""
+    from macroarch.mvas.fsdp import fully_shard as packed
+
+    shard_blocks(module, blocks, packed if managed else None)

@@ -190,14 +190,16 @@ def data_parallel(wrapper: DGRWrapper, optimizer_cls: Callable[..., torch.optim.
     return DistributedDGR(ddp, wrapper, optimizer, "ddp", steps)
 
 
-def _shard_default(module: nn.Module, grouping: Grouping, fully_shard_kwargs: dict[str, Any]) -> None:
-    """FSDP2's usual plan: every block of the repeated stacks its own unit, then the root (the rest)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for stack in grouping.stacks:
-        for name in stack:
-            fully_shard(module.get_submodule(name), **fully_shard_kwargs)
-    fully_shard(module, **fully_shard_kwargs)
+def shard_blocks(module: nn.Module, blocks: list[str], shard: Callable[..., Any] | None = None,
+                 **fully_shard_kwargs: Any) -> None:
+    """FSDP2's usual plan: every block (a submodule name) its own unit, then the root (the rest), each through
+    ``shard`` (default ``torch.distributed.fsdp.fully_shard``; ``macroarch.mvas.fsdp.fully_shard`` for managed
+    weights)."""
+    if shard is None:
+        from torch.distributed.fsdp import fully_shard as shard
+    for name in blocks:
+        shard(module.get_submodule(name), **fully_shard_kwargs)
+    shard(module, **fully_shard_kwargs)
 
 
 def fully_shard_groups(wrapper: DGRWrapper, optimizer_cls: Callable[..., torch.optim.Optimizer], *,
@@ -224,7 +226,7 @@ def fully_shard_groups(wrapper: DGRWrapper, optimizer_cls: Callable[..., torch.o
             shard(module)
         else:
             kwargs = {"reshard_after_forward": reshard_after_forward} | ({} if mesh is None else {"mesh": mesh})
-            _shard_default(module, wrapper.grouping, kwargs)
+            shard_blocks(module, [name for stack in wrapper.grouping.stacks for name in stack], **kwargs)
     grouping = regroup(wrapper.grouping, module)
     plain = [n for g in grouping for n, p in zip(g.names, g.params) if not isinstance(p, DTensor)]
     if plain:
@@ -234,4 +236,5 @@ def fully_shard_groups(wrapper: DGRWrapper, optimizer_cls: Callable[..., torch.o
     return DistributedDGR(wrapper, wrapper, wrapper.optimizer(optimizer_cls, **optimizer_kwargs), "fsdp2")
 
 
-__all__ = ["STRATEGIES", "DDPGroupSteps", "DistributedDGR", "data_parallel", "fully_shard_groups", "regroup"]
+__all__ = ["STRATEGIES", "DDPGroupSteps", "DistributedDGR", "data_parallel", "fully_shard_groups", "regroup",
+           "shard_blocks"]
