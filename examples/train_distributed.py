@@ -14,7 +14,7 @@ random order, learnable in a few dozen steps). Rank 0 prints the loss of every s
 - ``--dgr sync``: DGR's per-group updates during backward, each group stepping once its gradients are
   reduced (``macroarch.dgr.distributed``): the same weights as the plain step, groups updated earlier.
 - ``--mvas``: packed fp8 weights (``macroarch.mvas``), all-gathered packed by FSDP2 and updated by
-  ``MVASAdamW`` (fsdp2 only; needs ``macroarch.mvas.fsdp``).
+  ``MVASAdamW`` (fsdp2 only: ``macroarch.mvas.fsdp``).
 
 The optimizer is ``CompensatedAdamW`` (with its options off: AdamW), or ``MVASAdamW`` with ``--mvas``.
 Backend: NCCL when CUDA is available (one GPU per rank, ``LOCAL_RANK``), else gloo on the CPU.
@@ -61,20 +61,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def mvas_sharding():
-    """``macroarch.mvas.fsdp.fully_shard`` (FSDP2 for packed weights), or a clear error if this checkout lacks it."""
-    try:
-        from macroarch.mvas import fsdp as mvas_fsdp
-        from macroarch.mvas.tensor import MVASWeight
-    except ImportError as exc:
-        raise SystemExit(f"--mvas: this checkout has no FSDP2 support for MVAS weights ({exc}); "
-                         "run without --mvas") from None
-    if not hasattr(MVASWeight, "fsdp_pre_all_gather"):
-        raise SystemExit("--mvas: MVASWeight has no fsdp_pre_all_gather, so FSDP2 cannot all-gather packed weights "
-                         "in this checkout; run without --mvas") from None
-    return mvas_fsdp.fully_shard
-
-
 def token_batches(args: argparse.Namespace, vocab_size: int, rank: int):
     from macroarch.data import ensure_corpus, lm_batches, load_corpus
 
@@ -91,7 +77,7 @@ def token_batches(args: argparse.Namespace, vocab_size: int, rank: int):
 def build(args: argparse.Namespace, device: torch.device, example: dict):
     """(what the loop calls, the optimizer) for the chosen strategy, DGR and MVAS."""
     from macroarch.dgr import DGRWrapper
-    from macroarch.dgr.distributed import data_parallel, fully_shard_groups
+    from macroarch.dgr.distributed import data_parallel, fully_shard_groups, shard_blocks
     from macroarch.models import find_repeated_layers, get_model_spec
     from macroarch.optim import CompensatedAdamW
 
@@ -103,18 +89,14 @@ def build(args: argparse.Namespace, device: torch.device, example: dict):
     shard_one = None
     if args.mvas:
         from macroarch import mvas
-
-        shard_one = mvas_sharding()
+        from macroarch.mvas.fsdp import fully_shard as shard_one  # packed shards and all-gathers
         plan = mvas.plan_from_rules(model, [("*.h.*", "fp8_e4m3"), ("*.layers.*", "fp8_e4m3")], block_size=32)
         mvas.apply(model, plan)
         optimizer_cls, kwargs = mvas.MVASAdamW, {**kwargs, "seed": args.seed}
-    if shard_one is None:
-        from torch.distributed.fsdp import fully_shard as shard_one
+    blocks = [name for name, _ in find_repeated_layers(model)]
 
     def shard(module: torch.nn.Module) -> None:  # FSDP2's usual plan: every block, then the root
-        for _, block in find_repeated_layers(module):
-            shard_one(block)
-        shard_one(module)
+        shard_blocks(module, blocks, shard_one)
 
     if args.dgr == "sync":
         wrapper = DGRWrapper(model, group_size=args.group_size, example_inputs=example, atomic_steps=False)
