@@ -61,6 +61,7 @@ the whole tensor, take the eager path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -70,7 +71,7 @@ from typing import Any
 
 import torch
 
-from macroarch.mvas.formats import _e2m1_byte_table, decode, encode, get_format, noise_bits
+from macroarch.mvas.formats import _e2m1_byte_table, cast, decode, encode, get_format, noise_bits
 from macroarch.optim.functional import adamw_update_
 
 __all__ = ["ENV", "StepSpec", "adamw_step", "compile_enabled", "compile_stats", "counter_noise", "dequantize",
@@ -79,13 +80,18 @@ __all__ = ["ENV", "StepSpec", "adamw_step", "compile_enabled", "compile_stats", 
 ENV = "MACROARCH_COMPILE"
 """Set to ``0`` (or ``false``) to run every kernel eagerly."""
 _MASK = 0xFFFFFFFF
+_GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
+_LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
 _RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's default of 8 is per function)
 _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
           "check_seconds": 0.0, "mismatches": 0}
 _GUARD = True  # check the first compiled call of each kernel against the eager path (``_check``)
 _VERIFIED: dict[tuple, bool] = {}  # kernel (``_signature``) -> its first compiled call matched eager
 _COMPILED: dict[str, Any] = {}
+_DEVICES = ("cpu", "cuda")
+_PATCH: list = []  # the dynamo config patch the kernels run under, built once (building one costs a class)
 _SPECS: dict[StepSpec, StepSpec] = {}
+_STEP_ROWS: dict[tuple, int | None] = {}
 
 
 def compile_enabled(compile: bool | None = None) -> bool:
@@ -109,17 +115,19 @@ def reset_compile_stats() -> None:
 # --------------------------------------------------------------------------------------------- noise
 def counter_noise(counter: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """Uniform int32 noise in ``[0, 2^bits)`` for elements ``counter[1] + i``, i < ``numel``, of the stream
-    ``counter[0]`` (int64, a 32-bit key): a hash of the key and the element index (Wellons' lowbias32 with
-    multipliers below 2^31, so every product fits in int64). Pure integer arithmetic: bitwise the same eager,
-    compiled, on any device, and for any split of a tensor into chunks."""
-    index = (torch.arange(numel, dtype=torch.int64, device=counter.device) + counter[1]) & _MASK
-    x = (index * 0x61C88647 + counter[0]) & _MASK
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _MASK
-    x = x ^ (x >> 16)
-    return (x >> (32 - bits)).to(torch.int32)
+    ``counter[0]`` (int64, a 32-bit key): Wellons' lowbias32 hash of the key and the element index, in int32
+    arithmetic that wraps (two's complement, as torch's int32 ops and the compiled loops both do; the logical
+    shifts are arithmetic shifts masked). Pure integer arithmetic: bitwise the same eager, compiled, on any device,
+    and for any split of a tensor into chunks. Int32, not int64: a vector of int32 lanes multiplies in one
+    instruction (64-bit lanes need three, or a scalar loop on AVX2), which made this hash a fifth of the step."""
+    key = counter.to(torch.int32)  # (stream key, first element index), wrapped to int32
+    x = (torch.arange(numel, dtype=torch.int32, device=counter.device) + key[1]) * _GOLDEN + key[0]
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _LOWBIAS[0]
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _LOWBIAS[1]
+    x = x ^ ((x >> 16) & 0xFFFF)
+    return (x >> (32 - bits)) & ((1 << bits) - 1)
 
 
 def stream_key(*parts: int) -> int:
@@ -136,6 +144,8 @@ def stream_key(*parts: int) -> int:
 # --------------------------------------------------------------------------------------------- kernels
 def _dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, block_size: int | None,
                 dtype: torch.dtype) -> torch.Tensor:
+    if scales is None and payload.is_floating_point():  # bf16 / fp16 / fp32: a cast
+        return cast(payload, dtype)
     numel = payload.numel() * 2 if fmt == "fp4_e2m1" else payload.numel()
     return decode(payload, scales, fmt, block_size, numel).to(dtype)
 
@@ -219,11 +229,14 @@ _SOURCES = {"dequantize": _dequantize, "adamw_step": _adamw_step}
 # --------------------------------------------------------------------------------------------- dispatch
 def _eligible(tensors: list[torch.Tensor | None]) -> bool:
     """Whether a compiled kernel may run on ``tensors`` now (module docstring: where the eager path runs)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
         return False
     for t in tensors:
-        if t is not None and (t.device.type not in ("cpu", "cuda") or type(t) is not torch.Tensor
-                              and not isinstance(t, torch.nn.Parameter) or not t.is_contiguous()):
+        if t is None:
+            continue
+        kind = type(t)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter or t.device.type not in _DEVICES \
+                or not t.is_contiguous():
             return False
     return True
 
@@ -257,57 +270,74 @@ def vec_isa() -> str:
 
 def _signature(args: tuple) -> tuple:
     """What makes a distinct compiled kernel: the static arguments, and the dtype, device and row length (not the
-    number of rows, which is symbolic) of every tensor."""
+    number of rows, which is symbolic) of every tensor (args are tensors, None, static values and tuples of them)."""
     parts: list[Any] = []
-    for a in torch.utils._pytree.tree_leaves(args):
-        if isinstance(a, torch.Tensor):
-            parts.append((a.dtype, a.device.type, tuple(a.shape[1:]) if a.dim() == 2 else tuple(a.shape)))
-        else:
-            parts.append(a)
+    for a in args:
+        for leaf in a if type(a) is tuple else (a,):
+            if isinstance(leaf, torch.Tensor):
+                parts.append((leaf.dtype, leaf.device.type, leaf.shape[1] if leaf.dim() == 2 else tuple(leaf.shape)))
+            else:
+                parts.append(leaf)
     return tuple(parts)
 
 
-def _compiled(name: str, args: tuple) -> Any:
+def _dynamo_patch() -> Any:
+    if not _PATCH:  # one object, entered on every call: a ContextVar stack, so re-entrant and thread-safe
+        _PATCH.append(torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, capture_scalar_outputs=True,
+                                                 accumulated_recompile_limit=4 * _RECOMPILE_LIMIT))
+    return _PATCH[0]
+
+
+def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
+    """Call the compiled kernel ``name``; ``mark``: mark the row dimensions dynamic (needed until the kernel of this
+    signature has compiled: after that its graph's row count is symbolic and any tensor passes its guards), and
+    run under the dynamo config patch. The dequantisation's graph has no ``.item()``, so once its signature has
+    compiled it runs without the patch (entering it is a fifth of a small kernel's call: 27 of 165 us measured)."""
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True, options=_inductor_options())
-    for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
-        if isinstance(t, torch.Tensor) and t.dim() == 2:  # size); formats, blocks and row lengths are static
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+    if mark:
+        for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
+            if isinstance(t, torch.Tensor) and t.dim() == 2:  # size); formats, blocks and row lengths are static
+                torch._dynamo.maybe_mark_dynamic(t, 0)
     from torch._dynamo.utils import counters
 
-    before = counters["stats"]["unique_graphs"]
+    graphs = counters["stats"]
+    before = graphs["unique_graphs"]
     start = time.perf_counter()
     # Kernels never need autograd nor tensor subclasses. The same global state for every caller (forward inside
     # MVASWeight's dispatch runs below autograd with subclass torch functions off, backward without grad) keeps
     # one compiled kernel valid for all of them.
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, capture_scalar_outputs=True,
-                                    accumulated_recompile_limit=4 * _RECOMPILE_LIMIT), torch.no_grad(), \
+    with _dynamo_patch() if mark or name != "dequantize" else contextlib.nullcontext(), torch.no_grad(), \
             torch._C._AutoDispatchBelowADInplaceOrView(), torch._C.DisableTorchFunctionSubclass():
         result = _COMPILED[name](*args)
-    if counters["stats"]["unique_graphs"] != before:
+    if graphs["unique_graphs"] != before:
         _STATS["compile_seconds"] += time.perf_counter() - start
-        _STATS["compiles"] += counters["stats"]["unique_graphs"] - before
+        _STATS["compiles"] += graphs["unique_graphs"] - before
     _STATS["compiled_calls"] += 1
     return result
 
 
 def _run(name: str, compile: bool | None, tensors: list[torch.Tensor | None], rows: int | None, args: tuple,
-         eager_args: tuple | None = None, written: list[tuple[Any, str]] | None = None) -> Any:
-    """Run kernel ``name`` compiled on ``args`` (rows), or eagerly on ``eager_args`` (default ``args``). The first
+         eager_args: tuple | None = None, written: Any = None) -> Any:
+    """Run kernel ``name`` compiled on ``args`` (rows), or eagerly on ``eager_args`` (default ``args``); ``tensors``
+    None: the caller has checked that a compiled kernel may run (``_eligible``). The first
     compiled call of each kernel (``_signature``) in a process is checked against the eager path (``_check``);
-    ``written``: the tensors ``args`` writes in place with their formats (the step), None for the dequantisation."""
+    ``written``: a function of ``args`` giving the tensors the step writes in place with their formats, None for
+    the dequantisation."""
     source = _SOURCES[name]
     eager_args = args if eager_args is None else eager_args
-    if rows is None or not compile_enabled(compile) or not _eligible(tensors):
+    if rows is None or not compile_enabled(compile) or tensors is not None and not _eligible(tensors):
         _STATS["eager_calls"] += 1
         return source(*eager_args)
     key = (name, _signature(args))
     verdict = _VERIFIED.get(key)
+    if verdict:
+        return _compiled(name, args, mark=False)
     if verdict is False:  # this kernel differed from the eager path in this process: eager from then on
         _STATS["eager_calls"] += 1
         return source(*eager_args)
-    if verdict is None and _GUARD:
-        return _check(name, key, args, eager_args, written)
+    if _GUARD:
+        return _check(name, key, args, eager_args, None if written is None else written(args))
     return _compiled(name, args)
 
 
@@ -416,13 +446,39 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
     run (the caller has its own eager path)."""
     info = get_format(fmt)
     length = _row_length(block_size or 1 if info.block_scaled else 1, 2 if fmt == "fp4_e2m1" else 1)
+    # unscaled formats (bf16, fp16) are one cast, which torch runs faster than a compiled call (measured: fp16 to
+    # bf16, 64K elements, 29 us against 216 us; Inductor converts fp16 to bf16 a lane at a time)
     rows = numel // length if numel % length == 0 and numel >= 2 * length and (
-        block_size is not None or not info.block_scaled) else None
-    if rows is None or not eager_fallback and not (compile_enabled(compile) and _eligible([payload, scales])):
-        return _dequantize(payload, scales, fmt, block_size, dtype) if eager_fallback else None
-    return _run("dequantize", compile, [payload, scales], rows,
-                (_rows(payload, rows), _rows(scales, rows), fmt, block_size, dtype),
+        block_size is not None and info.block_scaled) else None
+    if rows is None or not (compile_enabled(compile) and _eligible([payload, scales])):
+        if not eager_fallback:
+            return None
+        _STATS["eager_calls"] += rows is not None
+        return _dequantize(payload, scales, fmt, block_size, dtype)
+    return _run("dequantize", True, None, rows, (_rows(payload, rows), _rows(scales, rows), fmt, block_size, dtype),
                 (payload, scales, fmt, block_size, dtype)).view(-1)
+
+
+def canonical_spec(spec: StepSpec) -> StepSpec:
+    """The one ``StepSpec`` object equal to ``spec`` (the compiled kernel guards on its identity)."""
+    return _SPECS.setdefault(spec, spec)
+
+
+def _step_rows(spec: StepSpec, n: int) -> int | None:
+    """Rows of whole blocks (of the weight and the moments, and whole fp4 bytes) that ``n`` elements make, or None
+    where they do not divide (the eager path)."""
+    key = (spec, n)
+    if key not in _STEP_ROWS:
+        units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
+        if spec.weight_format != "dense" and get_format(spec.weight_format).block_scaled:
+            units.append(spec.weight_block or n)
+        if spec.state_format != "fp32" and get_format(spec.state_format).block_scaled:
+            units.append(spec.state_block or n)
+        length = _row_length(*units)
+        _STEP_ROWS[key] = n // length if n % length == 0 and n >= 2 * length else None
+        if len(_STEP_ROWS) > 4096:  # a bound, for processes that see endlessly many sizes
+            _STEP_ROWS.pop(next(iter(_STEP_ROWS)))
+    return _STEP_ROWS[key]
 
 
 def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple, exp_avg_sq: tuple,
@@ -431,14 +487,7 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
     ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: ``functional.adamw_scalars(...)``."""
     spec = _SPECS.setdefault(spec, spec)  # one object per storage combination: the compiled kernel's guard
-    n = grad.numel()
-    units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
-    if spec.weight_format != "dense" and get_format(spec.weight_format).block_scaled:
-        units.append(spec.weight_block or n)
-    if spec.state_format != "fp32" and get_format(spec.state_format).block_scaled:
-        units.append(spec.state_block or n)
-    length = _row_length(*units)
-    rows = n // length if n % length == 0 and n >= 2 * length else None
+    rows = _step_rows(spec, grad.numel())
     tensors = [grad, master, *weight, *exp_avg, *exp_avg_sq]
     flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec)
     if rows is None or not (compile_enabled(compile) and _eligible(tensors)):
@@ -446,10 +495,13 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     pair = lambda p: tuple(_rows(t, rows) for t in p)  # noqa: E731
     args = (_rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq), counter,
             torch.tensor(scalars, dtype=torch.float64), spec)
+    _run("adamw_step", compile, tensors, rows, args, flat, _step_written)
+
+
+def _step_written(args: tuple) -> list[tuple[torch.Tensor | None, str]]:
+    """What a step (``args`` of the compiled kernel) writes in place, with the format each holds."""
+    spec, weight, state = args[-1], args[1], args[-1].state_format
     dense = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    state = spec.state_format
     weight_format = dense.get(weight[0].dtype, "fp32") if spec.weight_format == "dense" else spec.weight_format
-    written = [(args[1][0], weight_format),
-               (args[1][1], "fp32"), (args[2], "fp32"),
-               (args[3][0], state), (args[3][1], "fp32"), (args[4][0], state), (args[4][1], "fp32")]
-    _run("adamw_step", compile, tensors, rows, args, flat, written)
+    return [(weight[0], weight_format), (weight[1], "fp32"), (args[2], "fp32"),
+            (args[3][0], state), (args[3][1], "fp32"), (args[4][0], state), (args[4][1], "fp32")]

@@ -101,6 +101,7 @@ class MVASAdamW(torch.optim.Optimizer):
         self.min_state_numel = min_state_numel
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
         self.compile = compile  # None: MACROARCH_COMPILE decides (macroarch.mvas.kernels)
+        self._plans: dict[torch.Tensor, tuple] = {}  # parameter -> (storage token, spec, chunks): ``_plan``
         self.skipped_nonfinite = 0  # steps skipped for an inf/NaN gradient or loss
         self.step_was_skipped = False  # whether the last step() skipped (LR schedulers may hold back)
 
@@ -201,12 +202,32 @@ class MVASAdamW(torch.optim.Optimizer):
         state["step"] += 1
         step = float(state["step"])
         scalars = adamw_scalars(step, lr, beta1, beta2, eps, wd)
-        spec = self._spec(weight, state)
+        spec, chunks = self._plan(p, weight, state)
         key = kernels.stream_key(self.seed, index, weight.numel(), int(step))
+        for start, stop, w, master, exp_avg, exp_avg_sq in chunks:
+            kernels.adamw_step(grad[start:stop], w, master, exp_avg, exp_avg_sq, torch.tensor([key, start]), scalars,
+                               spec, compile=self.compile)
+        if isinstance(weight, MVASWeight):
+            weight.mark_written()
+
+    def _plan(self, p: torch.Tensor, weight: torch.Tensor, state: dict) -> tuple[kernels.StepSpec, list[tuple]]:
+        """``p``'s storage spec and its chunks ``(start, stop, weight, master, exp_avg, exp_avg_sq)`` (views of the
+        stored tensors), kept from step to step while the storage they view is the same (a re-plan that re-packs
+        the weight, a loaded state dict and a DTensor's new shard make new ones): building them is most of the
+        Python time of a step of a small tensor."""
         managed = isinstance(weight, MVASWeight)
+        stored = weight.payload if managed else weight
+        token = (stored.data_ptr(), stored.dtype, weight.numel(), getattr(weight, "format", None),
+                 getattr(weight, "block_size", None), *(state[k].data_ptr() if k in state else None
+                                                        for k in ("exp_avg", "exp_avg_sq", "master")))
+        cached = self._plans.get(p)
+        if cached is not None and cached[0] == token:
+            return cached[1], cached[2]
+        spec = kernels.canonical_spec(self._spec(weight, state))
         master = state["master"].view(-1) if "master" in state else None
         flat = None if managed else weight.view(-1)
         n, chunk = weight.numel(), self._chunk(weight, state)
+        chunks = []
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             if managed:
@@ -215,10 +236,9 @@ class MVASAdamW(torch.optim.Optimizer):
                 w = (flat[start:stop], None)
             moments = [_slice(state[key_], state.get(key_ + "_scales"), spec.state_format, spec.state_block, start,
                               stop) for key_ in ("exp_avg", "exp_avg_sq")]
-            kernels.adamw_step(grad[start:stop], w, None if master is None else master[start:stop], *moments,
-                               torch.tensor([key, start]), scalars, spec, compile=self.compile)
-        if managed:
-            weight.mark_written()
+            chunks.append((start, stop, w, None if master is None else master[start:stop], *moments))
+        self._plans[p] = (token, spec, chunks)
+        return spec, chunks
 
     # ------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

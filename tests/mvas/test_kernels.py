@@ -175,7 +175,8 @@ def test_a_compiled_kernel_that_differs_from_eager_warns_once_and_the_eager_resu
 def test_a_kernel_that_matches_eager_is_checked_once_then_runs_compiled(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "_VERIFIED", {})
-    monkeypatch.setattr(kernels, "_compiled", lambda name, args: calls.append(name) or kernels._SOURCES[name](*args))
+    monkeypatch.setattr(kernels, "_compiled",
+                        lambda name, args, mark=True: calls.append(name) or kernels._SOURCES[name](*args))
     kernels.reset_compile_stats()
     p = pack(torch.randn(512), "fp4_e2m1", 32)
     for _ in range(3):
