@@ -374,7 +374,21 @@ def text(sw: Sweep, a: Analysis) -> str:
                  f"{a.recipe_gain:+.4f}")
     lines.append("spike-guard triggers per run: " + ", ".join(
         f"{s} mean {np.mean(t):.2f} (runs with any: {sum(x > 0 for x in t)}/{len(t)})" for s, t in a.triggers.items()))
+    lines.append(timing_text(sw))
     return "\n".join(lines)
+
+
+def timing_text(sw: Sweep) -> str:
+    """Median wall seconds per run of each stack (same steps and batches), with its ratio to plain's: where the
+    stacks' cost shows (MVAS's kernels on a tiny model: per-call costs; ``macroarch.mvas.kernels``)."""
+    per_stack: dict[str, list[float]] = {}
+    for (stack, *_), r in sw.results.items():
+        per_stack.setdefault(stack, []).append(r.seconds)
+    medians = {stack: float(np.median(t)) for stack, t in per_stack.items()}
+    base = medians.get("plain")
+    return f"median seconds per run of {sw.params['steps']} steps: " + ", ".join(
+        f"{stack} {t:.1f}" + (f" ({t / base:.2f}x plain)" if base and stack != "plain" else "")
+        for stack, t in medians.items())
 
 
 def plot(sw: Sweep, a: Analysis) -> Figure:
