@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(HEADERS, table_rows(results, copy_gbs)))
     print(f"\nstep ms: median of {args.repeats} after {args.warmup} warm-up step(s) (first step s: the first, "
           f"compilation included); B/element: least bytes read + written per step (module docstring); "
-          f"of stream BW: achieved GB/s over the measured in-place stream bandwidth. Whole run {time.perf_counter() - start:.0f} s.")
+          f"of stream BW: achieved GB/s over the measured in-place stream bandwidth. "
+          f"Whole run {time.perf_counter() - start:.0f} s.")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(config={k: v for k, v in vars(args).items()}, machine=machine_info(),
