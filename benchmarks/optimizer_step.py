@@ -30,7 +30,8 @@ weights 2 + 2 x (1.125 + 2 x 1.03) = 8.4 B, fp4 weights 7.4 B; 8-bit torchao/bit
 16.1 B. Achieved GB/s is those bytes over the median step; the physical limit is this machine's copy bandwidth,
 measured in the same run (``copy_bandwidth``: the fastest in-place streaming kernel, ``a.mul_``, ``a.add_`` or
 ``a.addcmul_`` on ``--copy-elements`` fp32 elements, bytes read and written; a ``dst.copy_(src)`` undercounts its
-traffic). An optimizer that makes several passes over memory shows up as a low fraction of it.
+traffic; where an optimizer in the run streamed faster, that is the limit instead: ``bandwidth_limits``). An
+optimizer that makes several passes over memory shows up as a low fraction of it.
 """
 
 from __future__ import annotations
@@ -285,6 +286,23 @@ def table_rows(results: list[dict[str, Any]], copy_gbs: dict[int, float]) -> lis
     return rows
 
 
+def bandwidth_limits(results: list[dict[str, Any]], stream_gbs: dict[int, float]) -> dict[int, tuple[float, str]]:
+    """Per thread count, the best bandwidth measured in this run and where it came from: the in-place stream
+    kernels (``copy_bandwidth``) or an optimizer that moved its bytes faster (on this VM torch's fused AdamW
+    sometimes streams faster than ATen's single-threaded ``mul_``/``add_``). Every measurement is a lower bound of
+    the machine's limit, so the largest is the tightest one known; no row then reads above 100%."""
+    limits = {}
+    for threads, gbs in stream_gbs.items():
+        best = max((r for r in results if r["threads"] == threads and not r.get("skipped")),
+                   key=lambda r: r["gb_per_s"], default=None)
+        if best is not None and best["gb_per_s"] > gbs:
+            limits[threads] = (best["gb_per_s"], f"{best['optimizer']} at {format_size(best['numel'])} elements "
+                                                 f"(the stream kernels: {gbs:.2f} GB/s)")
+        else:
+            limits[threads] = (gbs, "the in-place stream kernels")
+    return limits
+
+
 HEADERS = ["optimizer", "size", "threads", "step ms", "ms/M params", "speed vs foreach", "B/element", "GB/s",
            "of stream BW", "first step s"]
 
@@ -356,16 +374,20 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(dict(optimizer=name, threads=threads, numel=numel, skipped=why))
             print(f"  {format_size(numel)} elements: {time.perf_counter() - t0:.0f} s", flush=True)
     results.sort(key=lambda r: (r["threads"], r["numel"], args.only.index(r["optimizer"])))
+    limits = bandwidth_limits(results, copy_gbs)
     print()
-    print(format_table(HEADERS, table_rows(results, copy_gbs)))
+    print(format_table(HEADERS, table_rows(results, {t: gbs for t, (gbs, _) in limits.items()})))
+    for threads, (gbs, source) in limits.items():
+        print(f"{threads} thread(s): the bandwidth limit is {gbs:.2f} GB/s, from {source}")
     print(f"\nstep ms: median of {args.repeats} after {args.warmup} warm-up step(s) (first step s: the first, "
           f"compilation included); B/element: least bytes read + written per step (module docstring); "
-          f"of stream BW: achieved GB/s over the measured in-place stream bandwidth. "
+          f"of stream BW: achieved GB/s over the limit above. "
           f"Whole run {time.perf_counter() - start:.0f} s.")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(config={k: v for k, v in vars(args).items()}, machine=machine_info(),
-                           copy_gb_per_s=copy_gbs, results=results), f, indent=2)
+                           copy_gb_per_s=copy_gbs, limit_gb_per_s={t: g for t, (g, _) in limits.items()},
+                           results=results), f, indent=2)
 
 
 if __name__ == "__main__":

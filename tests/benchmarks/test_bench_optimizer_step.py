@@ -99,3 +99,16 @@ def test_arguments_are_checked(bench, monkeypatch, capsys):
         assert message in capsys.readouterr().err
     monkeypatch.setattr(bench, "all_threads", lambda: 4)
     assert bench.parse_threads("1,all,4") == [1, 4]
+
+
+def test_the_bandwidth_limit_is_the_best_measured_so_no_share_exceeds_one(bench):
+    base = dict(numel=1 << 22, first_step_s=0.5, ms_per_mparam=1.0, bytes_per_element=28.0, step_s=0.01)
+    results = [dict(base, optimizer="torch AdamW fp32 fused", threads=1, gb_per_s=20.0),
+               dict(base, optimizer="MVASAdamW fp8 weights (compiled)", threads=1, gb_per_s=1.3),
+               dict(base, optimizer="torch AdamW fp32 fused", threads=2, gb_per_s=30.0),
+               dict(optimizer="bitsandbytes AdamW8bit", threads=2, numel=1 << 22, skipped="not installed")]
+    limits = bench.bandwidth_limits(results, {1: 15.0, 2: 31.0})
+    assert limits[1][0] == 20.0 and "torch AdamW fp32 fused at 4M" in limits[1][1] and "15.00" in limits[1][1]
+    assert limits[2] == (31.0, "the in-place stream kernels")
+    shares = [r[8] for r in bench.table_rows(results[:3], {t: g for t, (g, _) in limits.items()})]
+    assert shares == ["100%", "6%", "97%"]
