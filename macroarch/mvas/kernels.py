@@ -77,6 +77,7 @@ the whole tensor, take the eager path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -86,7 +87,7 @@ from typing import Any
 
 import torch
 
-from macroarch.mvas.formats import _e2m1_byte_table, cast, decode, encode, get_format, noise_bits
+from macroarch.mvas.formats import _DTYPE_FORMATS, _e2m1_byte_table, cast, decode, encode, get_format, noise_bits
 from macroarch.optim.functional import adamw_update_
 
 __all__ = ["ENV", "StepSpec", "adamw_step", "compile_enabled", "compile_stats", "counter_noise", "dequantize",
@@ -108,9 +109,7 @@ _GUARD = True  # check the first compiled call of each kernel against the eager 
 _VERIFIED: dict[tuple, bool] = {}  # kernel (``_signature``) -> its first compiled call matched eager
 _COMPILED: dict[str, Any] = {}
 _DEVICES = ("cpu", "cuda")
-_PATCH: list = []  # the dynamo config patch the kernels run under, built once (building one costs a class)
 _SPECS: dict[StepSpec, StepSpec] = {}
-_STEP_ROWS: dict[tuple, int | None] = {}
 
 
 def compile_enabled(compile: bool | None = None) -> bool:
@@ -300,11 +299,12 @@ def _signature(args: tuple) -> tuple:
     return tuple(parts)
 
 
+@functools.cache
 def _dynamo_patch() -> Any:
-    if not _PATCH:  # one object, entered on every call: a ContextVar stack, so re-entrant and thread-safe
-        _PATCH.append(torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, capture_scalar_outputs=True,
-                                                 accumulated_recompile_limit=4 * _RECOMPILE_LIMIT))
-    return _PATCH[0]
+    """The dynamo config the kernels compile under, built once (building one costs a class) and entered on every
+    call (a ContextVar stack: re-entrant and thread-safe)."""
+    return torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, capture_scalar_outputs=True,
+                                      accumulated_recompile_limit=4 * _RECOMPILE_LIMIT)
 
 
 def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
@@ -336,16 +336,15 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
     return result
 
 
-def _run(name: str, compile: bool | None, tensors: list[torch.Tensor | None], rows: int | None, args: tuple,
-         eager_args: tuple | None = None, written: Any = None) -> Any:
-    """Run kernel ``name`` compiled on ``args`` (rows), or eagerly on ``eager_args`` (default ``args``); ``tensors``
-    None: the caller has checked that a compiled kernel may run (``_eligible``). The first
-    compiled call of each kernel (``_signature``) in a process is checked against the eager path (``_check``);
-    ``written``: a function of ``args`` giving the tensors the step writes in place with their formats, None for
-    the dequantisation."""
+def _run(name: str, rows: int | None, args: tuple, eager_args: tuple | None = None, written: Any = None) -> Any:
+    """Run kernel ``name`` compiled on ``args`` (rows), or, ``rows`` None (the caller found that no compiled kernel
+    may run: ``compile_enabled``, ``_eligible``), eagerly on ``eager_args`` (default ``args``). The first compiled
+    call of each kernel (``_signature``) in a process is checked against the eager path (``_check``); ``written``: a
+    function of ``args`` giving the tensors the step writes in place with their formats, None for the
+    dequantisation."""
     source = _SOURCES[name]
     eager_args = args if eager_args is None else eager_args
-    if rows is None or not compile_enabled(compile) or tensors is not None and not _eligible(tensors):
+    if rows is None:
         _STATS["eager_calls"] += 1
         return source(*eager_args)
     key = (name, _signature(args))
@@ -476,7 +475,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
             return None
         _STATS["eager_calls"] += rows is not None
         return _dequantize(payload, scales, fmt, block_size, dtype)
-    return _run("dequantize", True, None, rows, (_rows(payload, rows), _rows(scales, rows), fmt, block_size, dtype),
+    return _run("dequantize", rows, (_rows(payload, rows), _rows(scales, rows), fmt, block_size, dtype),
                 (payload, scales, fmt, block_size, dtype)).view(-1)
 
 
@@ -488,18 +487,13 @@ def canonical_spec(spec: StepSpec) -> StepSpec:
 def _step_rows(spec: StepSpec, n: int) -> int | None:
     """Rows of whole blocks (of the weight and the moments, and whole fp4 bytes) that ``n`` elements make, or None
     where they do not divide (the eager path)."""
-    key = (spec, n)
-    if key not in _STEP_ROWS:
-        units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
-        if spec.weight_format != "dense" and get_format(spec.weight_format).block_scaled:
-            units.append(spec.weight_block or n)
-        if spec.state_format != "fp32" and get_format(spec.state_format).block_scaled:
-            units.append(spec.state_block or n)
-        length = _row_length(*units)
-        _STEP_ROWS[key] = n // length if n % length == 0 and n >= 2 * length else None
-        if len(_STEP_ROWS) > 4096:  # a bound, for processes that see endlessly many sizes
-            _STEP_ROWS.pop(next(iter(_STEP_ROWS)))
-    return _STEP_ROWS[key]
+    units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
+    if spec.weight_format != "dense" and get_format(spec.weight_format).block_scaled:
+        units.append(spec.weight_block or n)
+    if spec.state_format != "fp32" and get_format(spec.state_format).block_scaled:
+        units.append(spec.state_block or n)
+    length = _row_length(*units)
+    return n // length if n % length == 0 and n >= 2 * length else None
 
 
 def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple, exp_avg_sq: tuple,
@@ -507,22 +501,21 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
                compile: bool | None = None) -> None:
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
     ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: ``functional.adamw_scalars(...)``."""
-    spec = _SPECS.setdefault(spec, spec)  # one object per storage combination: the compiled kernel's guard
+    spec = canonical_spec(spec)
     rows = _step_rows(spec, grad.numel())
-    tensors = [grad, master, *weight, *exp_avg, *exp_avg_sq]
     flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec)
-    if rows is None or not (compile_enabled(compile) and _eligible(tensors)):
-        return _run("adamw_step", False, tensors, None, flat)
+    if rows is None or not (compile_enabled(compile) and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
+        return _run("adamw_step", None, flat)
     pair = lambda p: tuple(_rows(t, rows) for t in p)  # noqa: E731
     args = (_rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq), counter,
             torch.tensor(scalars, dtype=torch.float64), spec)
-    _run("adamw_step", compile, tensors, rows, args, flat, _step_written)
+    _run("adamw_step", rows, args, flat, _step_written)
 
 
 def _step_written(args: tuple) -> list[tuple[torch.Tensor | None, str]]:
     """What a step (``args`` of the compiled kernel) writes in place, with the format each holds."""
     spec, weight, state = args[-1], args[1], args[-1].state_format
-    dense = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    weight_format = dense.get(weight[0].dtype, "fp32") if spec.weight_format == "dense" else spec.weight_format
+    weight_format = _DTYPE_FORMATS.get(weight[0].dtype, "fp32") if spec.weight_format == "dense" else \
+        spec.weight_format
     return [(weight[0], weight_format), (weight[1], "fp32"), (args[2], "fp32"),
             (args[3][0], state), (args[3][1], "fp32"), (args[4][0], state), (args[4][1], "fp32")]

@@ -220,8 +220,7 @@ class MVASAdamW(torch.optim.Optimizer):
         token = (stored.data_ptr(), stored.dtype, weight.numel(), getattr(weight, "format", None),
                  getattr(weight, "block_size", None), *(state[k].data_ptr() if k in state else None
                                                         for k in ("exp_avg", "exp_avg_sq", "master")))
-        plans = self.__dict__.setdefault("_plans", {})  # (an unpickled optimizer has none)
-        cached = plans.get(p)
+        cached = self._plans.get(p)
         if cached is not None and cached[0] == token:
             return cached[1], cached[2]
         spec = kernels.canonical_spec(self._spec(weight, state))
@@ -238,7 +237,7 @@ class MVASAdamW(torch.optim.Optimizer):
             moments = [_slice(state[key_], state.get(key_ + "_scales"), spec.state_format, spec.state_block, start,
                               stop) for key_ in ("exp_avg", "exp_avg_sq")]
             chunks.append((start, stop, w, None if master is None else master[start:stop], *moments))
-        plans[p] = (token, spec, chunks)
+        self._plans[p] = (token, spec, chunks)
         return spec, chunks
 
     # ------------------------------------------------------------------------------------------- state
