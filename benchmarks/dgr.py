@@ -45,6 +45,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: to
     optimizer.zero_grad(set_to_none=True)
 
 
+def paired_ratio_quartiles(plain: list[float], dgr: list[float]) -> tuple[float, float, float]:
+    """Quartiles (lower, median, upper) of ``plain[i] / dgr[i]``: each DGR step against the plain step timed just
+    before it. Load from other processes drifts more slowly than a step, so the paired ratios cancel most of it,
+    and their spread says how far the ratio of medians can be trusted."""
+    if len(plain) != len(dgr) or not plain:
+        raise ValueError(f"paired_ratio_quartiles: {len(plain)} plain and {len(dgr)} DGR times; need equal, >= 1")
+    pairs = sorted(p / d for p, d in zip(plain, dgr))
+    if len(pairs) == 1:
+        return pairs[0], pairs[0], pairs[0]
+    low, mid, high = statistics.quantiles(pairs, n=4, method="inclusive")
+    return low, mid, high
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt3_tiny", choices=["hc", *sorted(n for n in MODELS if "tiny" in n)])
@@ -89,10 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     diff = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), net.parameters()))
     t_plain, t_dgr = statistics.median(times["plain"]), statistics.median(times["dgr"])
     ratio = t_plain / t_dgr
+    quartiles = paired_ratio_quartiles(times["plain"], times["dgr"])
     equal = "bitwise equal" if diff == 0 else f"differ, max |difference| {diff:.2e}"
     print(f"step time (median of {args.steps}): plain {t_plain:.3f} s, DGR-sync {t_dgr:.3f} s; "
           f"speed ratio plain/DGR {ratio:.3f}x (target >= 0.95x: {'met' if ratio >= 0.95 else 'NOT met'}); "
           f"weights {equal} (sync DGR must be exact)")
+    print(f"  paired ratios plain/DGR (each DGR step against the plain step before it): median {quartiles[1]:.3f}x, "
+          f"quartiles {quartiles[0]:.3f}x-{quartiles[2]:.3f}x; step-to-step spread of plain alone "
+          f"{min(times['plain']):.3f}-{max(times['plain']):.3f} s")
     print(f"  all steps plain: {', '.join(f'{t:.3f}' for t in times['plain'])}")
     print(f"  all steps DGR:   {', '.join(f'{t:.3f}' for t in times['dgr'])}")
     if args.no_memory:

@@ -412,12 +412,15 @@ def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str | Format
            numel: int) -> torch.Tensor:
     """``numel`` elements stored as ``payload`` and ``scales`` in ``fmt``, as a new float32 tensor (the
     arithmetic of ``PackedTensor.dequantize_range``, compiled by ``macroarch.mvas.kernels``): flat, or, for a
-    payload of rows (whole blocks each, ``numel`` elements in all), rows with ``scales`` of rows too."""
+    payload of rows (whole blocks each, ``numel`` elements in all), rows with ``scales`` of rows too. An fp8
+    payload may be given as its bytes (uint8), as the compiled kernels pass it on CPUs without AVX-512."""
     fmt = get_format(fmt)
     if fmt.name == "fp4_e2m1":
         values = _decode_e2m1(payload, numel)
     elif payload.dtype in _FP8_DTYPES and _fp8_by_arithmetic(payload):
         values = _fp8_values(payload.view(torch.uint8), fmt)
+    elif payload.dtype == torch.uint8 and fmt.storage_dtype in _FP8_DTYPES:  # fp8 codes as their bytes
+        values = _fp8_values(payload, fmt)
     else:
         values = payload.to(torch.float32, copy=True)
     if scales is not None and values.numel():

@@ -212,14 +212,16 @@ def agree(flags: Sequence[bool], over: Iterable[torch.Tensor | None],
 
 
 def locally_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of every (local) tensor is finite, with one synchronisation: each tensor's sum is
-    checked (inf and NaN propagate into it, and it needs no temporary; a sum that overflows, elements near 1e36 and
-    beyond, counts as non-finite), an fp16 tensor's elements one by one (its sum would overflow at 65504). The same
-    check DGR makes before a group steps; this rank's tensors only."""
+    """Whether every element of every (local) tensor is finite, with one synchronisation: each tensor's sum, in
+    float32 for 16-bit tensors (fp16's own would overflow at 65504), and one ``isfinite`` over the sums (inf and
+    NaN propagate into a sum, which needs no temporary; a sum that overflows float32, elements near 1e36 and
+    beyond, counts as non-finite). One op per tensor: DGR makes this check before each group steps, and an
+    ``isfinite`` per tensor as well doubled its cost (measured: 3076 tensors of a 256-layer model, 65 -> 34 ms per
+    step, one core). This rank's tensors only."""
     if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
         return True  # fake tensors (full-size memory measurements) have no values to check
-    flags = [torch.isfinite(t).all() if t.dtype == torch.float16 else torch.isfinite(t.sum()) for t in tensors]
-    return not flags or bool(torch.stack(flags).all())
+    sums = [t.sum(dtype=torch.float32) if t.is_floating_point() and t.element_size() < 4 else t.sum() for t in tensors]
+    return not sums or bool(torch.stack(sums).isfinite().all())
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None], over: Iterable[torch.Tensor | None] = ()) -> bool:
