@@ -11,16 +11,9 @@ CPU, Triton on CUDA), which fuses it into a few loops over the bytes:
   and the weight, run ``macroarch.optim.functional.adamw_update_`` (the one AdamW), encode the moments (round
   to nearest) and the weight (stochastic rounding, or nearest from an fp32 master) and write them back in place.
 
-**Compilation.** The number of rows is dynamic (``maybe_mark_dynamic``): one kernel serves every tensor length, so
-a model compiles one kernel per storage combination (weight format and block size, moment format, gradient
-dtype, rounding), a handful, not one per tensor; the scalars (learning rate, bias corrections) are graph
-inputs, so a new step or LR schedule never recompiles. ``compile_stats()`` reports the seconds spent compiling
-(first calls that compiled) apart from the calls that ran. Inductor's on-disk cache (FX graph and C++ code)
-makes a second process start fast. ``compile=False`` on a call, or the environment variable
-``MACROARCH_COMPILE=0``, runs the eager path. The eager path also runs where a compiled kernel cannot: fake or
-meta tensors (memory measurements), under a dispatch mode (memory tracker, op counters), inside a
-``torch.compile`` of the model (the same code is traced into the model's graph), on other devices. A
-dequantisation of fewer than ``MIN_COMPILED_DEQUANTIZE`` elements runs eagerly too, where that is faster.
+**Compilation, the cache and the guard** (``macroarch.mvas.compiled``): one compiled kernel per storage
+combination, not per tensor; ``compile=False`` or ``MACROARCH_COMPILE=0`` runs the eager path, which also runs
+wherever a compiled kernel cannot; the first compiled call of each kernel is checked against the eager path.
 
 **What the compiled code is made of** (measured on one core, torch 2.14, 2^22 elements per call; the numbers
 are in the notes of issue 14). Inductor turns each op into vector code only where ATen's vector library has it:
@@ -44,31 +37,6 @@ and eager agree on the fp32 update to a few ulps: block scales within 4 ulps, an
 grid step apart, where such an ulp crosses a rounding boundary (``tests/mvas/test_kernels.py`` checks these
 bounds). The dequantisation is exact either way: compiled equals eager bitwise.
 
-**The cache and the CPU's vector ISA.** Inductor's FX graph cache stores the generated C++ source, whose loops
-are tiled for the vector width ``pick_vec_isa()`` chose at code generation (a step of 16 floats for AVX-512, 8 for
-AVX2), but on CPU its key holds no ISA (``CacheBase.get_system`` hashes only GPU properties; torch 2.14). The source
-is then built with the flags of the loading process's ISA. AVX-512 code built for AVX2 stores one 8-lane
-``Vectorized<float>`` per 16-element step: half the output is never written (measured: elements 8-15 of every 16,
-garbage or NaN: the non-finite weights of notebook 05 under ``ATEN_CPU_CAPABILITY=avx2`` with a cache filled by
-an AVX-512 run); AVX2 code built for AVX-512 stores 16 lanes per 8-element step, past the end of the buffer
-(measured: ``malloc(): unaligned tcache chunk detected``). No op of ``decode`` is miscompiled: with a fresh cache
-the compiled kernels are exact under either ISA. The same class of omission, for the thread count, is pytorch
-issues #160812 and #167463 (fixed by PRs #184444, #185312); PR #195354 gates ``aot_compile`` artifacts on the
-resolved ISA for this reason; PR #123514 made ``pick_vec_isa`` honour ``ATEN_CPU_CAPABILITY``. Fix: the kernels
-compile with ``cpp.simdlen`` pinned to the picked ISA's width (``_inductor_options``), a config value that is part
-of the cache key and selects the same ISA, so each width gets its own entry. Other ``torch.compile`` calls in a
-process (a compiled model) keep the exposure: one cache directory per ISA avoids it.
-
-**Guard.** A miscompile on some other ISA, compiler or torch version must not corrupt a user's weights silently:
-the first compiled call of each kernel (``_signature``: static arguments, dtypes, row lengths) in a process is
-checked against the eager path on the same inputs. The dequantisation compares bitwise; the step runs compiled
-on copies of what it writes and eagerly on the caller's tensors (written once, by the reference), and compares
-within the bounds above (fp32 within 2^-16, codes: at most 1 in 500 one grid step apart). On a mismatch it warns
-once, naming the kernel, ``vec_isa()`` and what differed, and that kernel runs eagerly for the rest of the process.
-Cost, once per kernel: an eager run, copies and a comparison (measured at 2^20 elements, one loaded core: 0.18 s
-for an fp8 step, against 7 ms compiled; 9 ms for an fp8 dequantisation); ``compile_stats()`` reports
-``checks``, ``check_seconds`` and ``mismatches``.
-
 Layout: a kernel sees every input as rows of one static length (whole blocks of the weight and of the moments,
 ``_rows``), the number of rows symbolic; a tensor whose length is not whole rows, and a weight with one scale for
 the whole tensor, take the eager path.
@@ -76,59 +44,42 @@ the whole tensor, take the eager path.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
-import time
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from macroarch.mvas.formats import (_DTYPE_FORMATS, _FP8_DTYPES, _NATIVE_FP8, _e2m1_byte_table, cast, decode, encode,
-                                    get_format, noise_bits)
+from macroarch.mvas import compiled
+from macroarch.mvas.compiled import (
+    ENV,
+    MIN_COMPILED_DEQUANTIZE,
+    _eligible,
+    _rows,
+    compile_enabled,
+    compile_stats,
+    reset_compile_stats,
+    run,
+    vec_isa,
+)
+from macroarch.mvas.formats import (
+    _DTYPE_FORMATS,
+    _FP8_DTYPES,
+    _NATIVE_FP8,
+    cast,
+    decode,
+    encode,
+    get_format,
+    noise_bits,
+)
 from macroarch.optim.functional import adamw_update_
 
-__all__ = ["ENV", "StepSpec", "adamw_step", "compile_enabled", "compile_stats", "counter_noise", "dequantize",
-           "reset_compile_stats", "vec_isa"]
+__all__ = ["ENV", "MIN_COMPILED_DEQUANTIZE", "StepSpec", "adamw_step", "compile_enabled", "compile_stats",
+           "counter_noise", "dequantize", "reset_compile_stats", "vec_isa"]
 
-ENV = "MACROARCH_COMPILE"
-"""Set to ``0`` (or ``false``) to run every kernel eagerly."""
-MIN_COMPILED_DEQUANTIZE = 8192
-"""Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
-before any work (dynamo's guards and Inductor's wrapper; measured, one core: fp8 4096 elements 73 us compiled
-against 37 eager, 16384: 74 against 98). The step is compiled at every size (4096 elements: 170 against 503 us)."""
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
 _LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
-_RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's default of 8 is per function)
-_STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
-          "check_seconds": 0.0, "mismatches": 0}
-_GUARD = True  # check the first compiled call of each kernel against the eager path (``_check``)
-_VERIFIED: dict[tuple, bool] = {}  # kernel (``_signature``) -> its first compiled call matched eager
-_COMPILED: dict[str, Any] = {}
-_DEVICES = ("cpu", "cuda")
 _SPECS: dict[StepSpec, StepSpec] = {}
-
-
-def compile_enabled(compile: bool | None = None) -> bool:
-    """``compile`` if given, else whether ``MACROARCH_COMPILE`` allows it (default: yes)."""
-    if compile is not None:
-        return bool(compile)
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def compile_stats() -> dict[str, float]:
-    """Seconds spent in calls that compiled (``compile_seconds``), how many compiled (``compiles``), and the
-    calls that ran compiled or eager since the process started (or ``reset_compile_stats``)."""
-    return dict(_STATS)
-
-
-def reset_compile_stats() -> None:
-    for key in _STATS:
-        _STATS[key] = 0.0 if key.endswith("_seconds") else 0
 
 
 # --------------------------------------------------------------------------------------------- noise
@@ -257,215 +208,8 @@ def _as_bytes(payload: torch.Tensor | None) -> torch.Tensor | None:
     return payload.view(torch.uint8)
 
 
-_SOURCES = {"dequantize": _dequantize, "adamw_step": _adamw_step}
-
-
-# --------------------------------------------------------------------------------------------- dispatch
-def _eligible(tensors: list[torch.Tensor | None]) -> bool:
-    """Whether a compiled kernel may run on ``tensors`` now (module docstring: where the eager path runs)."""
-    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
-        return False
-    for t in tensors:
-        if t is None:
-            continue
-        kind = type(t)
-        if kind is not torch.Tensor and kind is not torch.nn.Parameter or t.device.type not in _DEVICES \
-                or not t.is_contiguous():
-            return False
-    return True
-
-
-def _rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """``t`` (contiguous) as ``rows`` rows: every input of a kernel has the same symbolic first dimension and a
-    static second one, so the compiled loops see whole blocks without index arithmetic."""
-    return None if t is None else t.view(rows, -1)
-
-
-def _inductor_options() -> dict[str, Any]:
-    """Inductor options for the kernels: ``cpp.simdlen`` pinned to the vector width Inductor picks in this process
-    (the user's own ``cpp.simdlen`` if set), so that it is part of the FX graph cache key (module docstring:
-    the cache and the CPU's vector ISA). It changes no generated code: Inductor picks the same ISA by that width."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    if inductor_config.cpp.simdlen is not None:
-        return {"cpp.simdlen": inductor_config.cpp.simdlen}
-    isa = pick_vec_isa()
-    return {"cpp.simdlen": isa.bit_width() if isa else 1}  # 1: no vectorisation (no vector ISA here)
-
-
-def vec_isa() -> str:
-    """The CPU vector ISA Inductor compiles the kernels for in this process (``pick_vec_isa``, which honours
-    ``ATEN_CPU_CAPABILITY``)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    return str(pick_vec_isa()) or "none"
-
-
-def _signature(args: tuple) -> tuple:
-    """What makes a distinct compiled kernel: the static arguments, and the dtype, device and row length (not the
-    number of rows, which is symbolic) of every tensor (args are tensors, None, static values and tuples of them)."""
-    parts: list[Any] = []
-    for a in args:
-        for leaf in a if type(a) is tuple else (a,):
-            if isinstance(leaf, torch.Tensor):
-                parts.append((leaf.dtype, leaf.device.type, leaf.shape[1] if leaf.dim() == 2 else tuple(leaf.shape)))
-            else:
-                parts.append(leaf)
-    return tuple(parts)
-
-
-@functools.cache
-def _dynamo_patch() -> Any:
-    """The dynamo config the kernels compile under, built once (building one costs a class) and entered on every
-    call (a ContextVar stack: re-entrant and thread-safe)."""
-    return torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, capture_scalar_outputs=True,
-                                      accumulated_recompile_limit=4 * _RECOMPILE_LIMIT)
-
-
-def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
-    """Call the compiled kernel ``name``; ``mark``: mark the row dimensions dynamic (needed until the kernel of this
-    signature has compiled: after that its graph's row count is symbolic and any tensor passes its guards), and
-    run under the dynamo config patch. The dequantisation's graph has no ``.item()``, so once its signature has
-    compiled it runs without the patch (entering it is a fifth of a small kernel's call: 27 of 165 us measured)."""
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True, options=_inductor_options())
-    if mark:
-        for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
-            if isinstance(t, torch.Tensor) and t.dim() == 2:  # size); formats, blocks and row lengths are static
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-    from torch._dynamo.utils import counters
-
-    graphs = counters["stats"]
-    before = graphs["unique_graphs"]
-    start = time.perf_counter()
-    # Kernels never need autograd nor tensor subclasses. The same global state for every caller (forward inside
-    # MVASWeight's dispatch runs below autograd with subclass torch functions off, backward without grad) keeps
-    # one compiled kernel valid for all of them.
-    with _dynamo_patch() if mark or name != "dequantize" else contextlib.nullcontext(), torch.no_grad(), \
-            torch._C._AutoDispatchBelowADInplaceOrView(), torch._C.DisableTorchFunctionSubclass():
-        result = _COMPILED[name](*args)
-    if graphs["unique_graphs"] != before:
-        _STATS["compile_seconds"] += time.perf_counter() - start
-        _STATS["compiles"] += graphs["unique_graphs"] - before
-    _STATS["compiled_calls"] += 1
-    return result
-
-
-def _run(name: str, rows: int | None, args: tuple, eager_args: tuple | None = None, written: Any = None) -> Any:
-    """Run kernel ``name`` compiled on ``args`` (rows), or, ``rows`` None (the caller found that no compiled kernel
-    may run: ``compile_enabled``, ``_eligible``), eagerly on ``eager_args`` (default ``args``). The first compiled
-    call of each kernel (``_signature``) in a process is checked against the eager path (``_check``); ``written``: a
-    function of ``args`` giving the tensors the step writes in place with their formats, None for the
-    dequantisation."""
-    source = _SOURCES[name]
-    eager_args = args if eager_args is None else eager_args
-    if rows is None:
-        _STATS["eager_calls"] += 1
-        return source(*eager_args)
-    key = (name, _signature(args))
-    verdict = _VERIFIED.get(key)
-    if verdict:
-        return _compiled(name, args, mark=False)
-    if verdict is False:  # this kernel differed from the eager path in this process: eager from then on
-        _STATS["eager_calls"] += 1
-        return source(*eager_args)
-    if _GUARD:
-        return _check(name, key, args, eager_args, None if written is None else written(args))
-    return _compiled(name, args)
-
-
-def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[tuple[Any, str]] | None) -> Any:
-    """The first compiled call of a kernel: the compiled kernel runs on copies of what it writes, the eager path on
-    the caller's tensors (so they are written once, by the reference), and the two results are compared (the
-    dequantisation bitwise, the step within the bounds of the module docstring). A mismatch warns once and
-    sends this kernel to the eager path for the rest of the process."""
-    start = time.perf_counter()
-    if written is None:
-        result = _compiled(name, args)
-        start = time.perf_counter()  # the compiled call is the caller's own; the check costs the rest
-        expected = _SOURCES[name](*eager_args).view(result.shape)
-        problem = _bitwise_difference(result, expected)
-        result = expected
-    else:
-        copies = {id(t): t.clone() for t, _ in written if t is not None}
-        swap = lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        compiled_args = torch.utils._pytree.tree_map(swap, args)
-        lap = time.perf_counter()
-        _compiled(name, compiled_args)
-        start += time.perf_counter() - lap
-        result = _SOURCES[name](*eager_args)
-        _STATS["eager_calls"] += 1
-        problem = None
-        for t, fmt in written:
-            if t is not None and problem is None:
-                problem = _step_difference(copies[id(t)], t, fmt)
-    _STATS["check_seconds"] += time.perf_counter() - start
-    _STATS["checks"] += 1
-    _VERIFIED[key] = problem is None
-    if problem is not None:
-        _STATS["mismatches"] += 1
-        spec = args[-1] if name == "adamw_step" else "format {}, block {}, {}".format(*args[2:5])
-        warnings.warn(f"macroarch.mvas.kernels: the compiled {name} kernel for {spec} differs from the eager path "
-                      f"on vector ISA {vec_isa()!r} ({problem}); this process runs that kernel eagerly from now on. "
-                      "A stale Inductor cache (TORCHINDUCTOR_CACHE_DIR) written under another ISA is one cause.",
-                      RuntimeWarning, stacklevel=4)
-    return result
-
-
-def _bitwise_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """None if ``got`` is ``want`` bit for bit (any NaN matching any NaN), else what differs."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return f"got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    same = (got.view(ints) == want.view(ints)) | (got.isnan() & want.isnan())
-    if bool(same.all()):
-        return None
-    bad = (~same).view(-1).nonzero()[0, 0]
-    return (f"{int((~same).sum())} of {same.numel()} values not bitwise equal, the first at index {int(bad)}: "
-            f"{float(got.view(-1)[bad])!r} instead of {float(want.view(-1)[bad])!r}")
-
-
-def _grid_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Stored codes as the (unscaled) values they stand for, float32: fp4 bytes as their two nibbles, fp8 bytes
-    (``_as_bytes``) as fp8."""
-    if fmt == "fp4_e2m1":
-        return _e2m1_byte_table(codes.device)[codes.long()].view(-1)
-    if codes.dtype == torch.uint8 and get_format(fmt).storage_dtype in _FP8_DTYPES:
-        codes = codes.view(get_format(fmt).storage_dtype)
-    return codes.float().view(-1)
-
-
-def _step_difference(got: torch.Tensor, want: torch.Tensor, fmt: str) -> str | None:
-    """None if what the compiled step wrote (``got``) matches the eager step (``want``) within the bounds of the
-    module docstring, else what differs. fp32 (masters, scales, dense moments): within 2^-16 of the value or of
-    the tensor's largest magnitude; codes: at most 1 in 500 (and 2) differ, each by at most one grid step."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return f"{fmt}: got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
-    if fmt == "fp32":
-        g, w = got.view(-1), want.view(-1)
-        finite = w.isfinite()
-        scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
-        ok = ((g - w).abs() <= 2.0 ** -16 * (w.abs() + scale)) | (g.isnan() & w.isnan()) | (g == w)
-        if bool(ok.all()):
-            return None
-        bad = (~ok).nonzero()[0, 0]
-        return (f"fp32: {int((~ok).sum())} of {ok.numel()} values beyond 2^-16 relative, the first at index "
-                f"{int(bad)}: {float(g[bad])!r} instead of {float(w[bad])!r}")
-    info = get_format(fmt)
-    g, w = _grid_values(got, fmt), _grid_values(want, fmt)
-    differ = (g.view(torch.int32) != w.view(torch.int32)) & ~(g.isnan() & w.isnan())
-    count = int(differ.sum())
-    if count == 0:
-        return None
-    floor = 2.0 ** (2 - 2 ** (info.exponent_bits - 1))  # the smallest normal: the subnormals' spacing below it
-    spacing = torch.minimum(g.abs(), w.abs()).clamp(min=floor) * 2.0 ** -info.mantissa_bits
-    far = differ & ~((g - w).abs() <= spacing * 1.0001)
-    if count <= 2e-3 * differ.numel() + 2 and not bool(far.any()):
-        return None
-    bad = (far if bool(far.any()) else differ).nonzero()[0, 0]
-    return (f"{fmt}: {count} of {differ.numel()} codes differ ({int(far.sum())} by more than one grid step), the "
-            f"first at element {int(bad)}: {float(g[bad])!r} instead of {float(w[bad])!r}")
+compiled.register("dequantize", _dequantize)
+compiled.register("adamw_step", _adamw_step)
 
 
 def _row_length(*units: int) -> int:
@@ -492,9 +236,9 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
                             and _eligible([payload, scales])):
         if not eager_fallback:
             return None
-        _STATS["eager_calls"] += rows is not None
+        compiled._STATS["eager_calls"] += rows is not None
         return _dequantize(payload, scales, fmt, block_size, dtype)
-    return _run("dequantize", rows, (_rows(_as_bytes(payload), rows), _rows(scales, rows), fmt, block_size, dtype),
+    return run("dequantize", rows, (_rows(_as_bytes(payload), rows), _rows(scales, rows), fmt, block_size, dtype),
                 (payload, scales, fmt, block_size, dtype)).view(-1)
 
 
@@ -524,11 +268,11 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     rows = _step_rows(spec, grad.numel())
     flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec)
     if rows is None or not (compile_enabled(compile) and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
-        return _run("adamw_step", None, flat)
+        return run("adamw_step", None, flat)
     pair = lambda p: tuple(_rows(_as_bytes(t), rows) for t in p)  # noqa: E731
     args = (_rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq), counter,
             torch.tensor(scalars, dtype=torch.float64), spec)
-    _run("adamw_step", rows, args, flat, _step_written)
+    run("adamw_step", rows, args, flat, _step_written)
 
 
 def _step_written(args: tuple) -> list[tuple[torch.Tensor | None, str]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from macroarch.mvas import kernels, plan_from_rules
+from macroarch.mvas import compiled, kernels, plan_from_rules
 from macroarch.mvas.formats import FORMATS, pack
 from macroarch.mvas.optim import MVASAdamW, _min_subnormal
 from macroarch.mvas.store import apply
@@ -71,7 +71,7 @@ def _codes_close(a, b, scales, fmt):
 
 @pytest.mark.slow
 def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_sizes_and_steps(monkeypatch):
-    monkeypatch.setattr(kernels, "_GUARD", False)  # the compiled result itself, not the guard's eager one
+    monkeypatch.setattr(compiled, "_GUARD", False)  # the compiled result itself, not the guard's eager one
     kernels.reset_compile_stats()
     for step, n in ((1, 4096), (7, 3 * 8192)):  # two sizes, two steps (new scalars): one compilation
         (w, m, v), grad = _storage(n, step)
@@ -91,7 +91,7 @@ def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_si
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt, dtype", [("fp8_e4m3", torch.float32), ("fp4_e2m1", torch.bfloat16)])
 def test_compiled_dequantize_is_bitwise_eager(fmt, dtype, monkeypatch):
-    monkeypatch.setattr(kernels, "_GUARD", False)
+    monkeypatch.setattr(compiled, "_GUARD", False)
     kernels.reset_compile_stats()
     for n in (512, 4096 + 1024):  # two sizes, one kernel
         p = pack(torch.randn(n), fmt, 32)
@@ -119,7 +119,7 @@ def test_mvas_adamw_and_weights_compiled_track_the_eager_run(monkeypatch):
         return net.weight.dequantize(torch.float32), opt
 
     kernels.reset_compile_stats()
-    monkeypatch.setattr(kernels, "_VERIFIED", {})  # the guard checks each kernel's first call again
+    monkeypatch.setattr(compiled, "_VERIFIED", {})  # the guard checks each kernel's first call again
     weight_c, opt_c = run(True)
     stats = kernels.compile_stats()
     assert stats["compiled_calls"] >= 2 * 3  # each step: the forward and the update
@@ -132,21 +132,21 @@ def test_mvas_adamw_and_weights_compiled_track_the_eager_run(monkeypatch):
 
 
 def _bad_compiled(calls):
-    """A stand-in for ``kernels._compiled`` that runs the eager source and then corrupts what it returns or writes."""
-    def compiled(name, args):
+    """A stand-in for ``compiled._compiled`` that runs the eager source and then corrupts what it returns or writes."""
+    def bad(name, args):
         calls.append(name)
-        result = kernels._SOURCES[name](*args)
+        result = compiled._SOURCES[name](*args)
         if name == "dequantize":
             return result.index_fill(-1, torch.tensor([0]), float("nan"))
         args[1][0][0].view(torch.uint8).fill_(0x7E)  # the first row of the weight's codes: 448, the e4m3 max
         return result
-    return compiled
+    return bad
 
 
 def test_a_compiled_kernel_that_differs_from_eager_warns_once_and_the_eager_result_is_used(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "_VERIFIED", {})
-    monkeypatch.setattr(kernels, "_compiled", _bad_compiled(calls))
+    monkeypatch.setattr(compiled, "_VERIFIED", {})
+    monkeypatch.setattr(compiled, "_compiled", _bad_compiled(calls))
     kernels.reset_compile_stats()
     p = pack(torch.randn(512), "fp8_e4m3", 32)
     with pytest.warns(RuntimeWarning, match=r"dequantize kernel for format fp8_e4m3.*differs.*vector ISA"):
@@ -174,9 +174,9 @@ def test_a_compiled_kernel_that_differs_from_eager_warns_once_and_the_eager_resu
 
 def test_a_kernel_that_matches_eager_is_checked_once_then_runs_compiled(monkeypatch):
     calls = []
-    monkeypatch.setattr(kernels, "_VERIFIED", {})
-    monkeypatch.setattr(kernels, "_compiled",
-                        lambda name, args, mark=True: calls.append(name) or kernels._SOURCES[name](*args))
+    monkeypatch.setattr(compiled, "_VERIFIED", {})
+    monkeypatch.setattr(compiled, "_compiled",
+                        lambda name, args, mark=True: calls.append(name) or compiled._SOURCES[name](*args))
     kernels.reset_compile_stats()
     p = pack(torch.randn(512), "fp4_e2m1", 32)
     for _ in range(3):
@@ -188,11 +188,11 @@ def test_a_kernel_that_matches_eager_is_checked_once_then_runs_compiled(monkeypa
 
 _AVX2_SCRIPT = r"""
 import json, sys, copy, torch
-from macroarch.mvas import kernels
+from macroarch.mvas import compiled, kernels
 from macroarch.mvas.formats import pack
 from macroarch.mvas.optim import _min_subnormal
 from macroarch.optim.functional import adamw_scalars
-kernels._GUARD = False  # the compiled kernels themselves
+compiled._GUARD = False  # the compiled kernels themselves
 result = {"isa": kernels.vec_isa(), "dequantize": {}}
 g = torch.Generator().manual_seed(0)
 for fmt in ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1"):
@@ -218,7 +218,7 @@ scalars = adamw_scalars(3.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
 counter = torch.tensor([kernels.stream_key(0, 0, 3), 0])
 kernels.adamw_step(grad, tuple(state[0]), None, tuple(state[1]), tuple(state[2]), counter, scalars, spec, compile=True)
 kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, spec, compile=False)
-result["step"] = [kernels._step_difference(a, b, f) for (pa, sa), (pb, sb) in zip(state, twin)
+result["step"] = [compiled._step_difference(a, b, f) for (pa, sa), (pb, sb) in zip(state, twin)
                   for a, b, f in ((pa, pb, "fp8_e4m3"), (sa, sb, "fp32"))]
 result["compiled_calls"] = kernels.compile_stats()["compiled_calls"]
 print(json.dumps(result))
