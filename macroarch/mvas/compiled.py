@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from macroarch.mvas.formats import _FP8_DTYPES, _e2m1_byte_table, get_format
+from macroarch.mvas.codecs import _FP8_DTYPES, _e2m1_byte_table, get_format
 
 __all__ = ["ENV", "MIN_COMPILED_DEQUANTIZE", "compile_enabled", "compile_stats", "register", "reset_compile_stats",
            "run", "vec_isa"]

@@ -19,11 +19,11 @@ wherever a compiled kernel cannot; the first compiled call of each kernel is che
 are in the notes of issue 14). Inductor turns each op into vector code only where ATen's vector library has it:
 
 - the noise hash works in int32 lanes that wrap (int64 lanes took 1.4 of 7.4 ns per element of an fp8 step);
-- fp4 codes are built and read with integer shifts and masks (``formats._round_e2m1``, ``_e2m1_bits``): a
+- fp4 codes are built and read with integer shifts and masks (``codecs._round_e2m1``, ``_e2m1_bits``): a
   select on floats and ``torch.signbit`` were evaluated a lane at a time, 9.2 ns per element for the encoding
   alone, now 1.3; the fp4 step went from 246 to 105 ms per 2^24 elements, the fp8 one's speed;
 - fp8 conversions are vectorised for AVX-512 only; elsewhere (AVX2) the kernels compute fp8 codes with integer
-  arithmetic (``formats._fp8_codes``, ``_fp8_values``), byte for byte torch's casts (442 -> 377 ms per fp8 step
+  arithmetic (``codecs._fp8_codes``, ``_fp8_values``), byte for byte torch's casts (442 -> 377 ms per fp8 step
   under AVX2 here), and the fp8 payloads enter the kernels as their bytes (``_as_bytes``), so that the compiled
   code holds no fp8 value for Inductor to bit-cast a lane at a time through memory (29 -> 21 ns per element);
 - Inductor's AVX2 code inverts ``torch.where`` on an int32 comparison with int32 branches (every lane takes the
@@ -51,6 +51,16 @@ from dataclasses import dataclass
 import torch
 
 from macroarch.mvas import compiled
+from macroarch.mvas.codecs import (
+    _DTYPE_FORMATS,
+    _FP8_DTYPES,
+    _NATIVE_FP8,
+    cast,
+    decode,
+    encode,
+    get_format,
+    noise_bits,
+)
 from macroarch.mvas.compiled import (
     ENV,
     MIN_COMPILED_DEQUANTIZE,
@@ -61,16 +71,6 @@ from macroarch.mvas.compiled import (
     reset_compile_stats,
     run,
     vec_isa,
-)
-from macroarch.mvas.formats import (
-    _DTYPE_FORMATS,
-    _FP8_DTYPES,
-    _NATIVE_FP8,
-    cast,
-    decode,
-    encode,
-    get_format,
-    noise_bits,
 )
 from macroarch.optim.functional import adamw_update_
 
@@ -201,7 +201,7 @@ def _as_stored(codes: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
 
 def _as_bytes(payload: torch.Tensor | None) -> torch.Tensor | None:
     """An fp8 payload as its bytes (a uint8 view) where the compiled kernels compute fp8 codes by integer
-    arithmetic (CPUs without AVX-512, ``formats._fp8_by_arithmetic``): there Inductor bit-casts fp8 to uint8 and
+    arithmetic (CPUs without AVX-512, ``codecs._fp8_by_arithmetic``): there Inductor bit-casts fp8 to uint8 and
     back a lane at a time through memory, and the kernel then holds no fp8 value at all (measured under AVX2, one
     core, 2^22 elements: an fp8 step 24.2 -> 19.4 ns per element, dense weights with fp8 moments 18.5 -> 15.4)."""
     if payload is None or payload.dtype not in _FP8_DTYPES or _NATIVE_FP8 or payload.device.type != "cpu":
