@@ -426,7 +426,8 @@ class DGROptimizer(torch.optim.Optimizer):
                 self._norm_sq += float(torch.nn.utils.get_total_norm([p.grad for p in present])) ** 2
             fresh = [p.grad for p in params]
         # The weights this gradient was computed at: the group has not moved since this step's forward.
-        entry = (fresh, [p.detach().clone() for p in params]) if delay and any(g is not None for g in fresh) else None
+        entry = ([_owned(g) for g in fresh], [p.detach().clone() for p in params]) \
+            if delay and any(g is not None for g in fresh) else None
         saved = self._snapshot(index) if self.config.atomic_steps else None
         if delay and len(queue) < delay:  # pipeline fill: nothing is due yet
             queue.append(entry)
@@ -501,6 +502,16 @@ class DGROptimizer(torch.optim.Optimizer):
                 self.compensator.meansquare.pop(name, None)
             else:
                 self.compensator.meansquare[name] = value
+
+
+def _owned(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient to queue for a later step: itself, or a copy where it is a view into another tensor's memory
+    (DDP with ``gradient_as_bucket_view=True`` makes ``.grad`` a view into its bucket, which the next backward pass
+    overwrites: the queued gradient would silently become the next step's)."""
+    if grad is None:
+        return None
+    local = getattr(grad, "_local_tensor", grad)  # a DTensor (FSDP2): its shard
+    return grad.clone() if local._base is not None else grad
 
 
 def _skip(inner: torch.optim.Optimizer, nonfinite: bool) -> None:
