@@ -30,9 +30,9 @@ Limits and deviations: ``accumulation_steps`` must be 1 (with DDP's ``no_sync`` 
 ``set_requires_gradient_sync(False)`` the reduction, and so DGR's hooks, skip the micro-steps; that
 bookkeeping is not done); DDP with ``find_unused_parameters`` is not supported; the memory DGR saves by
 releasing gradients is not saved under DDP, whose buckets hold every gradient anyway. Tested on gloo (CPU):
-sync mode with ``torch.optim.AdamW`` and ``CompensatedAdamW``; interleaved mode under DDP against one process on
-the global batch (equal to rounding, replicas bitwise equal), also with ``gradient_as_bucket_view=True``, whose
-``.grad`` views into DDP's buckets are copied before they are queued (``pipeline._owned``: the next pass
+sync mode with ``torch.optim.AdamW`` and ``CompensatedAdamW``; interleaved mode under DDP and FSDP2 against one
+process on the global batch (equal to rounding, replicas bitwise equal), also with ``gradient_as_bucket_view=True``,
+whose ``.grad`` views into DDP's buckets are copied before they are queued (``pipeline._owned``: the next pass
 overwrites the buckets; before the copy, the queued gradients silently became the next step's).
 The DDP path hands gradients to ``DGROptimizer._grad_ready`` (same package): its public twin would be a
 one-line ``DGROptimizer.grad_ready``.

@@ -189,6 +189,22 @@ def _ddp_interleaved(model, rank: int, world: int, ddp_kwargs: dict) -> dict:
     return out
 
 
+def _fsdp_interleaved(model, rank: int, world: int) -> dict:
+    """FSDP2 + DGR in interleaved mode vs one process running the same DGR on the global batch (as for DDP)."""
+    from macroarch.dgr import DGRWrapper
+    from macroarch.dgr.distributed import fully_shard_groups
+
+    batches = [token_batches(r, STEPS + 2) for r in range(world)]
+    example = {"input_ids": batches[rank][0], "labels": batches[rank][0]}
+    wrapper = DGRWrapper(copy.deepcopy(model), group_size=1, mode="interleaved", delays=1, example_inputs=example)
+    run = fully_shard_groups(wrapper, torch.optim.AdamW, lr=LR)
+    _train(run.model, run.optimizer, batches[rank])
+    single = DGRWrapper(copy.deepcopy(model), group_size=1, mode="interleaved", delays=1, example_inputs=example)
+    _train(single, single.optimizer(torch.optim.AdamW, lr=LR), [torch.cat(b) for b in zip(*batches)])
+    return {"vs_single": _max_diff(list(run.wrapper.module.parameters()), list(single.module.parameters())),
+            "moved": _max_diff(list(model.parameters()), list(single.module.parameters()))}
+
+
 def equalities() -> dict:
     """Every equality check in one launch (each launch costs seconds of start-up per rank)."""
     from macroarch.optim import CompensatedAdamW
@@ -207,6 +223,7 @@ def equalities() -> dict:
         "fsdp_compensated": _fsdp_dgr(model, data, CompensatedAdamW),
         "refusals": _refusals(model, data),
         "ddp_interleaved": _ddp_interleaved(model, rank, world, {}),
+        "fsdp_interleaved": _fsdp_interleaved(model, rank, world),
         "ddp_interleaved_bucket_views": _ddp_interleaved(model, rank, world, {"bucket_cap_mb": 0.01,
                                                                               "gradient_as_bucket_view": True}),
     }
@@ -310,7 +327,7 @@ def test_ddp_with_dgr_sync_equals_ddp_bitwise(ranks):
         assert reduced[-1] == passes[k + 1]
 
 
-def test_interleaved_dgr_under_ddp_matches_one_process_on_the_global_batch(ranks):
+def test_interleaved_dgr_under_ddp_and_fsdp2_matches_one_process_on_the_global_batch(ranks):
     # interleaved DGR queues each group's gradient for ``delays`` steps: under DDP the queued gradient must be the
     # averaged one, and must survive DDP reusing its buckets (gradient_as_bucket_view) for the next pass
     for r in ranks:
@@ -322,6 +339,9 @@ def test_interleaved_dgr_under_ddp_matches_one_process_on_the_global_batch(ranks
             # the next pass moved the weights by 0.045, more than training did
             assert sync["vs_single"] < 1e-3 and interleaved["vs_single"] < 1e-3, (key, r[key])
             assert sync["replicas_differ"] == 0.0 and interleaved["replicas_differ"] == 0.0, key
+        # FSDP2: each rank updates its shard from the reduce-scattered average; the same comparison
+        fsdp = r["fsdp_interleaved"]
+        assert fsdp["moved"] > 1e-2 and fsdp["vs_single"] < 1e-3, fsdp
 
 
 def test_fsdp2_with_dgr_sync_equals_fsdp2_bitwise(ranks):
