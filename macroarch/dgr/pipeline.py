@@ -89,7 +89,7 @@ import torch
 from macroarch._autograd import at_backward_end, backward_pass_id
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
-from macroarch.optim.functional import all_finite
+from macroarch.optim.functional import all_finite, local
 
 MODES = ("sync", "interleaved")
 CLIP_MODES = ("per_group",)
@@ -508,10 +508,7 @@ def _owned(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A gradient to queue for a later step: itself, or a copy where it is a view into another tensor's memory
     (DDP with ``gradient_as_bucket_view=True`` makes ``.grad`` a view into its bucket, which the next backward pass
     overwrites: the queued gradient would silently become the next step's)."""
-    if grad is None:
-        return None
-    local = getattr(grad, "_local_tensor", grad)  # a DTensor (FSDP2): its shard
-    return grad.clone() if local._base is not None else grad
+    return grad.clone() if grad is not None and local(grad)._base is not None else grad  # a DTensor: its shard's
 
 
 def _skip(inner: torch.optim.Optimizer, nonfinite: bool) -> None:

@@ -144,13 +144,18 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NATIVE_FP8 = "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
+def _software_fp8(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives where ATen's vector library has no fp8 conversion: a CPU without AVX-512."""
+    return t.device.type == "cpu" and not _NATIVE_FP8
+
+
 def _fp8_by_arithmetic(t: torch.Tensor) -> bool:
     """Whether fp8 codes are computed with integer arithmetic (``_fp8_codes``, ``_fp8_values``) instead of torch's
     casts: only while ``torch.compile`` traces (``macroarch.mvas.kernels``) for a CPU whose vector ISA has no fp8
     conversion in ATen's vector library (AVX-512 has one; AVX2 and others convert a lane at a time, which made the
     compiled fp8 step 3.5x slower than AVX-512's on the same core). Both give the same bytes, so results do not
     depend on the choice (tests/mvas/test_formats.py checks every code and the rounding boundaries)."""
-    return torch.compiler.is_compiling() and t.device.type == "cpu" and not _NATIVE_FP8
+    return torch.compiler.is_compiling() and _software_fp8(t)
 
 
 def _fp8_codes(y: torch.Tensor, fmt: Format, noise: torch.Tensor | None) -> torch.Tensor:

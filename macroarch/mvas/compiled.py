@@ -14,7 +14,7 @@ makes a second process start fast. ``compile=False`` on a call, or the environme
 ``MACROARCH_COMPILE=0``, runs the eager path. The eager path also runs where a compiled kernel cannot: fake or
 meta tensors (memory measurements), under a dispatch mode (memory tracker, op counters), inside a
 ``torch.compile`` of the model (the same code is traced into the model's graph), on other devices. A
-dequantisation of fewer than ``MIN_COMPILED_DEQUANTIZE`` elements runs eagerly too, where that is faster.
+dequantisation of fewer than ``kernels.MIN_COMPILED_DEQUANTIZE`` elements runs eagerly too, where that is faster.
 
 **The cache and the CPU's vector ISA.** Inductor's FX graph cache stores the generated C++ source, whose loops
 are tiled for the vector width ``pick_vec_isa()`` chose at code generation (a step of 16 floats for AVX-512, 8 for
@@ -57,15 +57,11 @@ import torch
 
 from macroarch.mvas.codecs import _FP8_DTYPES, _e2m1_byte_table, get_format
 
-__all__ = ["ENV", "MIN_COMPILED_DEQUANTIZE", "compile_enabled", "compile_stats", "register", "reset_compile_stats",
+__all__ = ["ENV", "compile_enabled", "compile_stats", "register", "reset_compile_stats",
            "run", "vec_isa"]
 
 ENV = "MACROARCH_COMPILE"
 """Set to ``0`` (or ``false``) to run every kernel eagerly."""
-MIN_COMPILED_DEQUANTIZE = 8192
-"""Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
-before any work (dynamo's guards and Inductor's wrapper; measured, one core: fp8 4096 elements 73 us compiled
-against 37 eager, 16384: 74 against 98). The step is compiled at every size (4096 elements: 170 against 503 us)."""
 _RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's default of 8 is per function)
 _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
           "check_seconds": 0.0, "mismatches": 0}

@@ -164,45 +164,44 @@ def _compensated_global_batch(model, rank: int, world: int) -> dict:
             "scales": [opt.grad_scaler.applied_scale, single_opt.grad_scaler.applied_scale]}
 
 
-def _ddp_interleaved(model, rank: int, world: int, ddp_kwargs: dict) -> dict:
-    """DDP + DGR in interleaved mode (each group applies its gradient of ``delay`` steps ago) vs one process
-    running the same DGR on the global batch (every rank's batches concatenated): DDP's averaged gradients are the
-    global batch's up to summation order, so the two agree to rounding, and every replica holds the same weights."""
+def _global_batch_run(model, rank: int, world: int, mode: str, delays: int | None, distribute) -> dict:
+    """DGR (``mode``, ``delays``) across the ranks, built by ``distribute(wrapper)`` (``data_parallel`` or
+    ``fully_shard_groups``), vs one process running the same DGR on the global batch (every rank's batches
+    concatenated): the engines' averaged gradients are the global batch's up to summation order, so the two agree
+    to rounding, and every replica holds the same weights."""
     from macroarch.dgr import DGRWrapper
-    from macroarch.dgr.distributed import data_parallel
 
     batches = [token_batches(r, STEPS + 2) for r in range(world)]
     example = {"input_ids": batches[rank][0], "labels": batches[rank][0]}
-    out = {}
-    for mode, delays in (("sync", None), ("interleaved", 1)):
-        wrapper = DGRWrapper(copy.deepcopy(model), group_size=1, mode=mode, delays=delays, example_inputs=example)
-        run = data_parallel(wrapper, torch.optim.AdamW, ddp_kwargs=ddp_kwargs, lr=LR)
-        _train(run.model, run.optimizer, batches[rank])
-        single = DGRWrapper(copy.deepcopy(model), group_size=1, mode=mode, delays=delays, example_inputs=example)
-        _train(single, single.optimizer(torch.optim.AdamW, lr=LR), [torch.cat(b) for b in zip(*batches)])
-        mine = torch.cat([p.detach().reshape(-1) for p in wrapper.module.parameters()])
-        replicas = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(replicas, mine)
-        out[mode] = {"vs_single": _max_diff(list(wrapper.module.parameters()), list(single.module.parameters())),
-                     "moved": _max_diff(list(model.parameters()), list(single.module.parameters())),
-                     "replicas_differ": max((r - replicas[0]).abs().max().item() for r in replicas)}
-    return out
+    run = distribute(DGRWrapper(copy.deepcopy(model), group_size=1, mode=mode, delays=delays, example_inputs=example))
+    _train(run.model, run.optimizer, batches[rank])
+    single = DGRWrapper(copy.deepcopy(model), group_size=1, mode=mode, delays=delays, example_inputs=example)
+    _train(single, single.optimizer(torch.optim.AdamW, lr=LR), [torch.cat(b) for b in zip(*batches)])
+    params = list(run.wrapper.module.parameters())
+    mine = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1) for p in params])
+    replicas = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(replicas, mine)
+    return {"vs_single": _max_diff(params, list(single.module.parameters())),
+            "moved": _max_diff(list(model.parameters()), list(single.module.parameters())),
+            "replicas_differ": max((r - replicas[0]).abs().max().item() for r in replicas)}
+
+
+def _ddp_interleaved(model, rank: int, world: int, ddp_kwargs: dict) -> dict:
+    """DDP + DGR, sync (the rounding reference) and interleaved (each group applies its gradient of one step ago),
+    against one process on the global batch (``_global_batch_run``)."""
+    from macroarch.dgr.distributed import data_parallel
+
+    distribute = lambda w: data_parallel(w, torch.optim.AdamW, ddp_kwargs=ddp_kwargs, lr=LR)  # noqa: E731
+    return {mode: _global_batch_run(model, rank, world, mode, delays, distribute)
+            for mode, delays in (("sync", None), ("interleaved", 1))}
 
 
 def _fsdp_interleaved(model, rank: int, world: int) -> dict:
-    """FSDP2 + DGR in interleaved mode vs one process running the same DGR on the global batch (as for DDP)."""
-    from macroarch.dgr import DGRWrapper
+    """FSDP2 + DGR in interleaved mode against one process on the global batch (``_global_batch_run``)."""
     from macroarch.dgr.distributed import fully_shard_groups
 
-    batches = [token_batches(r, STEPS + 2) for r in range(world)]
-    example = {"input_ids": batches[rank][0], "labels": batches[rank][0]}
-    wrapper = DGRWrapper(copy.deepcopy(model), group_size=1, mode="interleaved", delays=1, example_inputs=example)
-    run = fully_shard_groups(wrapper, torch.optim.AdamW, lr=LR)
-    _train(run.model, run.optimizer, batches[rank])
-    single = DGRWrapper(copy.deepcopy(model), group_size=1, mode="interleaved", delays=1, example_inputs=example)
-    _train(single, single.optimizer(torch.optim.AdamW, lr=LR), [torch.cat(b) for b in zip(*batches)])
-    return {"vs_single": _max_diff(list(run.wrapper.module.parameters()), list(single.module.parameters())),
-            "moved": _max_diff(list(model.parameters()), list(single.module.parameters()))}
+    return _global_batch_run(model, rank, world, "interleaved", 1,
+                             lambda w: fully_shard_groups(w, torch.optim.AdamW, lr=LR))
 
 
 def equalities() -> dict:
