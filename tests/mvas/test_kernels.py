@@ -131,6 +131,64 @@ def test_mvas_adamw_and_weights_compiled_track_the_eager_run(monkeypatch):
     assert float(diff.max()) <= float(weight_e.abs().max()) * 2.0 ** -3
 
 
+@pytest.mark.slow
+def test_after_its_check_a_kernel_is_called_directly_and_matches_eager_at_every_size(monkeypatch):
+    """Once its first call is checked, each kernel runs straight through the callable Inductor compiled (no dynamo
+    frame per call): the dequantisation stays bitwise eager and the step within the stated ulps at new row
+    counts, without a recompilation."""
+    torch._dynamo.reset()  # dynamo compiles again, so the direct calls are captured afresh
+    monkeypatch.setattr(compiled, "_VERIFIED", {})
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    kernels.reset_compile_stats()
+    for n in (4096, 4096 + 96, 3 * 8192):
+        p = pack(torch.randn(n), "fp8_e4m3", 32)
+        fused = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
+        assert torch.equal(fused, p.dequantize_range(0, n).bfloat16())
+    for step, n in ((1, 4096), (2, 3 * 4096), (3, 8192)):
+        (w, m, v), grad = _storage(n, step)
+        twin = copy.deepcopy((w, m, v))
+        scalars = adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1)
+        counter = torch.tensor([kernels.stream_key(0, 0, step), 0])
+        kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
+        kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
+                           compile=False)
+        for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):
+            _codes_close(payload, payload_e, scales, "fp8_e4m3")
+            torch.testing.assert_close(scales, scales_e, rtol=4 * 2.0 ** -23, atol=0)
+    kinds = {key[0]: type(verdict) for key, verdict in compiled._VERIFIED.items()}
+    assert kinds == {"dequantize": compiled._Direct, "adamw_step": compiled._Direct}
+    stats = kernels.compile_stats()
+    assert stats["compiles"] == 2 and stats["checks"] == 2 and stats["compiled_calls"] == 6
+
+
+def test_no_direct_call_is_built_for_a_graph_compiled_for_one_size():
+    """A graph whose rows are static (not symbolic) would overrun a longer tensor: such a kernel keeps dynamo's
+    guards."""
+    kernel = torch.compile(compiled._SOURCES["dequantize"], dynamic=False, fullgraph=True,
+                           backend=compiled._Inductor(None, compiled._inductor_options(), False))
+
+    def compile_and_build(rows, dynamic):
+        p = pack(torch.randn(32 * rows), "fp8_e4m3", 32)
+        args = (p.payload.view(rows, 32), p.scales.view(rows, 1), "fp8_e4m3", 32, torch.float32)
+        if dynamic:
+            torch._dynamo.maybe_mark_dynamic(args[0], 0)
+            torch._dynamo.maybe_mark_dynamic(args[1], 0)
+        key = ("test dequantize", rows)
+        compiled._PENDING.append(key)
+        try:
+            with torch.no_grad():
+                out = kernel(*args)
+        finally:
+            compiled._PENDING.pop()
+        assert key in compiled._CAPTURED
+        return compiled._Direct.build(key, args, out), args, p
+
+    direct, _, _ = compile_and_build(128, dynamic=False)
+    assert direct is None  # static rows: refused
+    direct, args, p = compile_and_build(64, dynamic=True)  # the same graph with symbolic rows: built, and right
+    assert isinstance(direct, compiled._Direct) and torch.equal(direct(args).view(-1), p.dequantize_range(0, 2048))
+
+
 def _bad_compiled(calls):
     """A stand-in for ``compiled._compiled`` that runs the eager source and then corrupts what it returns or writes."""
     def bad(name, args):
