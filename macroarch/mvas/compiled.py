@@ -285,18 +285,19 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
     return result
 
 
-def run(name: str, rows: int | None, args: tuple, eager_args: tuple | None = None, written: Any = None) -> Any:
+def run(name: str, rows: int | None, args: tuple, eager_args: tuple | None = None, written: Any = None,
+        key: tuple | None = None) -> Any:
     """Run kernel ``name`` compiled on ``args`` (rows), or, ``rows`` None (the caller found that no compiled kernel
     may run: ``compile_enabled``, ``_eligible``), eagerly on ``eager_args`` (default ``args``). The first compiled
     call of each kernel (``_signature``) in a process is checked against the eager path (``_check``); ``written``: a
     function of ``args`` giving the tensors the step writes in place with their formats, None for the
-    dequantisation."""
+    dequantisation; ``key``: ``(name, _signature(args))`` where the caller kept it."""
     source = _SOURCES[name]
     eager_args = args if eager_args is None else eager_args
     if rows is None:
         _STATS["eager_calls"] += 1
         return source(*eager_args)
-    key = (name, _signature(args))
+    key = key or (name, _signature(args))
     verdict = _VERIFIED.get(key)
     if verdict is True:
         return _compiled(name, args, mark=False)

@@ -34,6 +34,9 @@ Exceptions, all cheap:
   ``create_optimizer_v2``, HF Trainer's default).
 
 Gradients are ordinary dense tensors in the compute dtype (``param.grad``), accumulated by autograd as usual.
+``F.linear`` (``nn.Linear``) on a weight that is no view takes a shorter road to the same bits: one autograd node
+(``macroarch.mvas.linear``) that dequantises once in forward and once in backward, without the view wrappers;
+under autocast, a dispatch mode or ``torch.compile`` it goes through dispatch as above.
 
 **Torch-function level** (what Python code asks of a tensor before writing its bytes): ``contiguous()`` returns
 the dense weight, so ``save_pretrained`` (which calls it) writes dense weights in the training dtype;
@@ -80,8 +83,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from macroarch.mvas.formats import FORMATS, PackedTensor, get_format, pack, write_range
+from macroarch.mvas.linear import linear
 
 aten = torch.ops.aten
+_LINEAR = torch._C._nn.linear
 
 _SHARE = {aten.detach.default, aten.alias.default, aten.lift_fresh.default}
 _LIKE = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
@@ -264,6 +269,10 @@ class MVASWeight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is _LINEAR and len(args) > 1 and type(args[1]) is MVASWeight:
+            out = linear(args[1], args, kwargs)  # one autograd node (macroarch.mvas.linear), where it applies
+            if out is not None:
+                return out
         if args and isinstance(args[0], MVASWeight):
             if func is torch.Tensor.contiguous:
                 return _Dense.apply(args[0])

@@ -309,3 +309,20 @@ def test_compiled_kernels_equal_eager_under_avx2_with_a_cache_written_under_the_
     for result in (native, emulated):
         assert result["dequantize"] == {"fp8_e4m3": 0, "fp8_e5m2": 0, "fp4_e2m1": 0}, result
         assert result["step"] == [None] * 6 and result["compiled_calls"] == 4, result
+
+
+def test_a_storage_read_again_reuses_its_plan_and_follows_writes_and_new_scales():
+    n = kernels.MIN_COMPILED_DEQUANTIZE * 2
+    p = pack(torch.randn(n), "fp8_e4m3", 32)
+    first = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.float32, compile=True)
+    assert p.payload in kernels._PLANNED and torch.equal(first, p.dequantize_range(0, n))
+    other = pack(torch.randn(n) * 3, "fp8_e4m3", 32)
+    p.payload.copy_(other.payload)  # written in place (as the optimizer does): the plan's views see it
+    p.scales.copy_(other.scales)
+    assert torch.equal(kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.float32, compile=True),
+                       other.dequantize_range(0, n))
+    doubled = p.scales * 2  # another scales tensor: not the planned one
+    again = kernels.dequantize(p.payload, doubled, "fp8_e4m3", 32, n, torch.float32, compile=True)
+    assert torch.equal(again, 2 * other.dequantize_range(0, n))
+    assert torch.equal(kernels.dequantize(p.payload, doubled, "fp8_e4m3", 32, n, torch.bfloat16, compile=True),
+                       (2 * other.dequantize_range(0, n)).bfloat16())
