@@ -108,9 +108,14 @@ def register(name: str, source: Callable[..., Any]) -> None:
     _COMPILED.pop(name, None)
 
 
+def _unwatched() -> bool:
+    """No dispatch mode watches and no ``torch.compile`` traces: what ``_eligible`` needs now, beyond the tensors."""
+    return not (torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling())
+
+
 def _eligible(tensors: list[torch.Tensor | None]) -> bool:
     """Whether a compiled kernel may run on ``tensors`` now (module docstring: where the eager path runs)."""
-    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+    if not _unwatched():
         return False
     for t in tensors:
         if t is None:
@@ -218,8 +223,7 @@ class _Direct:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         outputs = gm.graph.output_node().args[0]
         if len(placeholders) != len(example) or len(outputs) != (result is not None) or any(
-                getattr(o, "op", None) != "call_function" and getattr(o, "op", None) != "call_method"
-                for o in outputs):
+                getattr(o, "op", None) not in ("call_function", "call_method") for o in outputs):
             return None
         leaves = _leaves(args)
         where = {id(t): i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)}

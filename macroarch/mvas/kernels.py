@@ -236,8 +236,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
     path)."""
     planned = _PLANNED.get(payload)
     if (planned is not None and planned[0] is scales and planned[1] == (fmt, block_size, numel, dtype)
-            and compile_enabled(compile) and not torch._C._len_torch_dispatch_stack()
-            and not torch.compiler.is_compiling()):
+            and compile_enabled(compile) and compiled._unwatched()):  # the planned tensors were _eligible
         return run("dequantize", planned[3][0].shape[0], planned[3], (payload, scales, fmt, block_size, dtype),
                    key=planned[2]).view(-1)
     info = get_format(fmt)
@@ -253,9 +252,10 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
         compiled._STATS["eager_calls"] += rows is not None
         return _dequantize(payload, scales, fmt, block_size, dtype)
     args = (_rows(_as_bytes(payload), rows), _rows(scales, rows), fmt, block_size, dtype)
+    key = ("dequantize", compiled._signature(args))
     if numel >= MIN_COMPILED_DEQUANTIZE:  # what the next call on this storage needs (below: eager unless compile=True)
-        _PLANNED[payload] = (scales, (fmt, block_size, numel, dtype), ("dequantize", compiled._signature(args)), args)
-    return run("dequantize", rows, args, (payload, scales, fmt, block_size, dtype)).view(-1)
+        _PLANNED[payload] = (scales, (fmt, block_size, numel, dtype), key, args)
+    return run("dequantize", rows, args, (payload, scales, fmt, block_size, dtype), key=key).view(-1)
 
 
 def canonical_spec(spec: StepSpec) -> StepSpec:

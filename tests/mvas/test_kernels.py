@@ -69,21 +69,27 @@ def _codes_close(a, b, scales, fmt):
     assert bool(((da - db).abs() <= spacing * 1.0001).all())
 
 
+def _step_compiled_and_eager(step, n):
+    """One fp8 step of ``n`` elements compiled and the same step eagerly on a copy: codes within the stated ulps,
+    block scales a few ulps apart."""
+    (w, m, v), grad = _storage(n, step)
+    twin = copy.deepcopy((w, m, v))
+    scalars = adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1)
+    counter = torch.tensor([kernels.stream_key(0, 0, step), 0])
+    kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
+    kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
+                       compile=False)
+    for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):
+        _codes_close(payload, payload_e, scales, "fp8_e4m3")
+        torch.testing.assert_close(scales, scales_e, rtol=4 * 2.0 ** -23, atol=0)  # a few ulps
+
+
 @pytest.mark.slow
 def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_sizes_and_steps(monkeypatch):
     monkeypatch.setattr(compiled, "_GUARD", False)  # the compiled result itself, not the guard's eager one
     kernels.reset_compile_stats()
     for step, n in ((1, 4096), (7, 3 * 8192)):  # two sizes, two steps (new scalars): one compilation
-        (w, m, v), grad = _storage(n, step)
-        twin = copy.deepcopy((w, m, v))
-        scalars = adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1)
-        counter = torch.tensor([kernels.stream_key(0, 0, step), 0])
-        kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
-        kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
-                           compile=False)
-        for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):
-            _codes_close(payload, payload_e, scales, "fp8_e4m3")
-            torch.testing.assert_close(scales, scales_e, rtol=4 * 2.0 ** -23, atol=0)  # a few ulps
+        _step_compiled_and_eager(step, n)
     stats = kernels.compile_stats()
     assert stats["compiles"] == 1 and stats["compiled_calls"] == 2 and stats["compile_seconds"] > 0
 
@@ -145,16 +151,7 @@ def test_after_its_check_a_kernel_is_called_directly_and_matches_eager_at_every_
         fused = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
         assert torch.equal(fused, p.dequantize_range(0, n).bfloat16())
     for step, n in ((1, 4096), (2, 3 * 4096), (3, 8192)):
-        (w, m, v), grad = _storage(n, step)
-        twin = copy.deepcopy((w, m, v))
-        scalars = adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1)
-        counter = torch.tensor([kernels.stream_key(0, 0, step), 0])
-        kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
-        kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
-                           compile=False)
-        for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):
-            _codes_close(payload, payload_e, scales, "fp8_e4m3")
-            torch.testing.assert_close(scales, scales_e, rtol=4 * 2.0 ** -23, atol=0)
+        _step_compiled_and_eager(step, n)
     kinds = {key[0]: type(verdict) for key, verdict in compiled._VERIFIED.items()}
     assert kinds == {"dequantize": compiled._Direct, "adamw_step": compiled._Direct}
     stats = kernels.compile_stats()
