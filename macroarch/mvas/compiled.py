@@ -33,9 +33,9 @@ an AVX-512 run); AVX2 code built for AVX-512 stores 16 lanes per 8-element step,
 the compiled kernels are exact under either ISA. The same class of omission, for the thread count, is pytorch
 issues #160812 and #167463 (fixed by PRs #184444, #185312); PR #195354 gates ``aot_compile`` artifacts on the
 resolved ISA for this reason; PR #123514 made ``pick_vec_isa`` honour ``ATEN_CPU_CAPABILITY``. Fix: the kernels
-compile with ``cpp.simdlen`` pinned to the picked ISA's width (``_inductor_options``), a config value that is part
-of the cache key and selects the same ISA, so each width gets its own entry. Other ``torch.compile`` calls in a
-process (a compiled model) keep the exposure: one cache directory per ISA avoids it.
+compile with ``cpp.simdlen`` pinned to the picked ISA's width, a config value that is part
+of the cache key and selects the same ISA, so each width gets its own entry (``codegen.options``). Other
+``torch.compile`` calls in a process (a compiled model) keep the exposure: one cache directory per ISA avoids it.
 
 **Guard.** A miscompile on some other ISA, compiler or torch version must not corrupt a user's weights silently:
 the first compiled call of each kernel (``_signature``: static arguments, dtypes, row lengths) in a process is
@@ -61,7 +61,9 @@ from typing import Any
 
 import torch
 
+from macroarch.mvas import codegen
 from macroarch.mvas.codecs import _FP8_DTYPES, _e2m1_byte_table, get_format
+from macroarch.mvas.codegen import vec_isa
 
 __all__ = ["ENV", "compile_enabled", "compile_stats", "register", "reset_compile_stats",
            "run", "vec_isa"]
@@ -133,27 +135,6 @@ def _rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     return None if t is None else t.view(rows, -1)
 
 
-def _inductor_options() -> dict[str, Any]:
-    """Inductor options for the kernels: ``cpp.simdlen`` pinned to the vector width Inductor picks in this process
-    (the user's own ``cpp.simdlen`` if set), so that it is part of the FX graph cache key (module docstring:
-    the cache and the CPU's vector ISA). It changes no generated code: Inductor picks the same ISA by that width."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    if inductor_config.cpp.simdlen is not None:
-        return {"cpp.simdlen": inductor_config.cpp.simdlen}
-    isa = pick_vec_isa()
-    return {"cpp.simdlen": isa.bit_width() if isa else 1}  # 1: no vectorisation (no vector ISA here)
-
-
-def vec_isa() -> str:
-    """The CPU vector ISA Inductor compiles the kernels for in this process (``pick_vec_isa``, which honours
-    ``ATEN_CPU_CAPABILITY``)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    return str(pick_vec_isa()) or "none"
-
-
 def _signature(args: tuple) -> tuple:
     """What makes a distinct compiled kernel: the static arguments, and the dtype, device and row length (not the
     number of rows, which is symbolic) of every tensor (args are tensors, None, static values and tuples of them)."""
@@ -185,7 +166,8 @@ class _Inductor(torch._TorchCompileInductorWrapper):
     the kernel ``_compiled`` is compiling (``_PENDING``) in ``_CAPTURED``, for ``_Direct.build``."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
-        compiled = super().__call__(gm, example_inputs, **kwargs)
+        with codegen.vector_bitcasts():
+            compiled = super().__call__(gm, example_inputs, **kwargs)
         if _PENDING and _PENDING[-1] is not None:
             _CAPTURED[_PENDING[-1]] = (gm, compiled, list(example_inputs))
         return compiled
@@ -262,7 +244,7 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
     compiled it runs without the patch (entering it is a fifth of a small kernel's call: 27 of 165 us measured)."""
     if name not in _COMPILED:
         _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,
-                                        backend=_Inductor(None, _inductor_options(), False))
+                                        backend=_Inductor(None, codegen.options(), False))
     if mark:
         for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
             if isinstance(t, torch.Tensor) and t.dim() == 2:  # size); formats, blocks and row lengths are static

@@ -19,9 +19,14 @@ wherever a compiled kernel cannot; the first compiled call of each kernel is che
 are in the notes of issue 14). Inductor turns each op into vector code only where ATen's vector library has it:
 
 - the noise hash works in int32 lanes that wrap (int64 lanes took 1.4 of 7.4 ns per element of an fp8 step);
-- fp4 codes are built and read with integer shifts and masks (``codecs._round_e2m1``, ``_e2m1_bits``): a
+- fp4 codes are built and read with integer shifts and masks (``codecs._round_e2m1``, ``_e2m1_values``): a
   select on floats and ``torch.signbit`` were evaluated a lane at a time, 9.2 ns per element for the encoding
-  alone, now 1.3; the fp4 step went from 246 to 105 ms per 2^24 elements, the fp8 one's speed;
+  alone, now 1.3; the fp4 step went from 246 to 105 ms per 2^24 elements; an fp4 dequantisation scales and casts
+  each nibble of a byte before interleaving them (``codecs._decode_e2m1_rows``: one pass, 187 -> 89 us for 172K
+  elements);
+- bit casts between float32 and int32 (stochastic rounding, block scales, codes) are vector casts in the kernels'
+  C++ (``macroarch.mvas.codegen``; Inductor makes them a lane-by-lane copy through memory): the fp8 step 5.6 ->
+  4.6 ns per element, the one with fp4 weights 8.3 -> 6.3 (2^20 elements);
 - fp8 conversions are vectorised for AVX-512 only; elsewhere (AVX2) the kernels compute fp8 codes with integer
   arithmetic (``codecs._fp8_codes``, ``_fp8_values``), byte for byte torch's casts (442 -> 377 ms per fp8 step
   under AVX2 here), and the fp8 payloads enter the kernels as their bytes (``_as_bytes``), so that the compiled
@@ -88,6 +93,10 @@ _SPECS: dict[StepSpec, StepSpec] = {}
 # payload -> (scales, (format, block, numel, dtype), kernel key, kernel args) of its last compiled dequantisation:
 # a weight read every step skips rebuilding them (~40 us of Python a call); weak, so it never keeps storage alive
 _PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# stored weight (payload) -> (what else its last compiled step was planned for, by identity: scales, master, moments,
+# spec, gradient dtype; and by value: the gradient's device and size; rows; the stored tensors as the kernel's rows;
+# kernel key): MVASAdamW steps the same views of its state every step (~30 of ~40 us of Python a call otherwise)
+_STEP_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 # --------------------------------------------------------------------------------------------- noise
@@ -125,7 +134,7 @@ def _dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, bl
     if scales is None and payload.is_floating_point():  # bf16 / fp16 / fp32: a cast
         return cast(payload, dtype)
     numel = payload.numel() * 2 if fmt == "fp4_e2m1" else payload.numel()
-    return decode(payload, scales, fmt, block_size, numel).to(dtype)
+    return decode(payload, scales, fmt, block_size, numel, dtype)
 
 
 @dataclass(frozen=True)
@@ -281,14 +290,28 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
     ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: ``functional.adamw_scalars(...)``."""
     spec = canonical_spec(spec)
+    planned = _STEP_PLANNED.get(weight[0])
+    if (planned is not None and all(a is b for a, b in zip(planned[0], (weight[1], master, *exp_avg, *exp_avg_sq,
+                                                                         spec, grad.dtype)))
+            and planned[1] == (grad.device, grad.numel()) and compile_enabled(compile) and compiled._unwatched()
+            and type(grad) is torch.Tensor and grad.is_contiguous()):
+        # the same stored tensors (by identity: _eligible then) and spec: only the gradient is new
+        rows, stored, key = planned[2:]
+        args = (_rows(grad, rows), *stored, counter, torch.tensor(scalars, dtype=torch.float64), spec)
+        run("adamw_step", rows, args, (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec),
+            _step_written, key=key)
+        return
     rows = _step_rows(spec, grad.numel())
     flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec)
     if rows is None or not (compile_enabled(compile) and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
         return run("adamw_step", None, flat)
     pair = lambda p: tuple(_rows(_as_bytes(t), rows) for t in p)  # noqa: E731
-    args = (_rows(grad, rows), pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq), counter,
-            torch.tensor(scalars, dtype=torch.float64), spec)
-    run("adamw_step", rows, args, flat, _step_written)
+    stored = (pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq))
+    args = (_rows(grad, rows), *stored, counter, torch.tensor(scalars, dtype=torch.float64), spec)
+    key = ("adamw_step", compiled._signature(args))
+    _STEP_PLANNED[weight[0]] = ((weight[1], master, *exp_avg, *exp_avg_sq, spec, grad.dtype),
+                                (grad.device, grad.numel()), rows, stored, key)
+    run("adamw_step", rows, args, flat, _step_written, key=key)
 
 
 def _step_written(args: tuple) -> list[tuple[torch.Tensor | None, str]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from macroarch.mvas import compiled, kernels, plan_from_rules
+from macroarch.mvas import codegen, compiled, kernels, plan_from_rules
 from macroarch.mvas.formats import FORMATS, pack
 from macroarch.mvas.optim import MVASAdamW, _min_subnormal
 from macroarch.mvas.store import apply
@@ -97,13 +97,17 @@ def test_compiled_step_equals_eager_up_to_stated_ulps_with_one_kernel_for_all_si
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt, dtype", [("fp8_e4m3", torch.float32), ("fp4_e2m1", torch.bfloat16)])
 def test_compiled_dequantize_is_bitwise_eager(fmt, dtype, monkeypatch):
+    """Bit for bit (signed zeros included), fp4 with every byte at every position of a block."""
     monkeypatch.setattr(compiled, "_GUARD", False)
     kernels.reset_compile_stats()
     for n in (512, 4096 + 1024):  # two sizes, one kernel
         p = pack(torch.randn(n), fmt, 32)
+        if fmt == "fp4_e2m1":
+            p.payload.copy_(torch.arange(n // 2, dtype=torch.int32).mul(17).remainder(256).to(torch.uint8))
         fused = kernels.dequantize(p.payload, p.scales, fmt, 32, n, dtype, compile=True)
         eager = kernels.dequantize(p.payload, p.scales, fmt, 32, n, dtype, compile=False)
-        assert fused.dtype == dtype and torch.equal(fused, eager)
+        bits = torch.int16 if dtype.itemsize == 2 else torch.int32
+        assert fused.dtype == dtype and torch.equal(fused.view(bits), eager.view(bits))
     assert kernels.compile_stats()["compiles"] == 1
 
 
@@ -162,7 +166,7 @@ def test_no_direct_call_is_built_for_a_graph_compiled_for_one_size():
     """A graph whose rows are static (not symbolic) would overrun a longer tensor: such a kernel keeps dynamo's
     guards."""
     kernel = torch.compile(compiled._SOURCES["dequantize"], dynamic=False, fullgraph=True,
-                           backend=compiled._Inductor(None, compiled._inductor_options(), False))
+                           backend=compiled._Inductor(None, codegen.options(), False))
 
     def compile_and_build(rows, dynamic):
         p = pack(torch.randn(32 * rows), "fp8_e4m3", 32)
@@ -323,3 +327,36 @@ def test_a_storage_read_again_reuses_its_plan_and_follows_writes_and_new_scales(
     assert torch.equal(again, 2 * other.dequantize_range(0, n))
     assert torch.equal(kernels.dequantize(p.payload, doubled, "fp8_e4m3", 32, n, torch.bfloat16, compile=True),
                        (2 * other.dequantize_range(0, n)).bfloat16())
+
+
+def test_a_step_on_the_same_views_reuses_its_plan_and_any_new_stored_tensor_or_gradient_replans(monkeypatch):
+    """What MVASAdamW does: the same views of its state every step, a new gradient each time. Each step equals the
+    same step planned from scratch (the plans cleared), bit for bit; a new moment tensor or a gradient of another
+    dtype is planned anew, never served the old views."""
+    monkeypatch.setattr(compiled, "_GUARD", False)
+    n, g = 4096, torch.Generator().manual_seed(3)
+    w, m, v = (pack(x, "fp8_e4m3", b) for x, b in ((torch.randn(n, generator=g), 32),
+               (torch.randn(n, generator=g) * 1e-2, 128), (torch.rand(n, generator=g) * 1e-3, 128)))
+    state = [[t.payload, t.scales] for t in (w, m, v)]
+    twin = copy.deepcopy(state)
+
+    def step(tensors, grad, k, fresh):
+        if fresh:
+            kernels._STEP_PLANNED.pop(tensors[0][0], None)
+        kernels.adamw_step(grad, tuple(tensors[0]), None, tuple(tensors[1]), tuple(tensors[2]),
+                           torch.tensor([kernels.stream_key(0, 0, k), 0]), adamw_scalars(k, 1e-3, 0.9, 0.999, 1e-8, 0.1),
+                           SPEC, compile=True)
+
+    for k in range(1, 5):
+        grad = torch.randn(n, generator=g).to(torch.bfloat16 if k >= 3 else torch.float32)
+        if k == 3:  # a new exp_avg tensor (a loaded state) and bf16 gradients from now on
+            for s in (state, twin):
+                s[1][0] = s[1][0].clone()
+        before = kernels._STEP_PLANNED.get(state[0][0])
+        step(state, grad, k, fresh=False)
+        planned = kernels._STEP_PLANNED[state[0][0]]
+        assert planned[0][2] is state[1][0] and planned[0][-1] is grad.dtype
+        assert (planned is before) == (k in (2, 4))  # reused, but planned anew for the new tensor and dtype
+        step(twin, grad, k, fresh=True)
+        for a, b in zip(state, twin):
+            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])

@@ -173,3 +173,17 @@ def test_agree_over_a_mesh_counts_replicated_gradients_once_and_refuses_partial_
     partial = DTensor.from_local(torch.zeros(8, 4), one_rank_mesh, [Partial()])  # a gradient not yet reduced
     with pytest.raises(ValueError, match="partial sum on mesh dim 0"):
         agree([], [partial], [(g, partial)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_locally_finite_finds_any_inf_or_nan_and_no_overflow_of_finite_16_bit_values(dtype):
+    from macroarch.optim.functional import locally_finite
+
+    # fp16: a sum that overflows fp16 (not float32); bf16 and float32: large, with a sum within float32's range
+    big = torch.full((1000,), 60000.0 if dtype == torch.float16 else 1e34, dtype=dtype)
+    assert locally_finite([big, torch.ones(3, dtype=dtype)]) and locally_finite([])
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for where in (0, 517, 999):
+            t = torch.randn(1000).to(dtype)
+            t[where] = bad
+            assert not locally_finite([torch.ones(3, dtype=dtype), t]), (bad, where)
