@@ -1,0 +1,56 @@
+"""mvas.codegen: the kernels' Inductor options and vector bit casts, checked on the C++ Inductor generates.
+
+Each test compiles a small function with a fresh Inductor cache (a few seconds of C++ compilation): marked slow."""
+
+import pytest
+import torch
+from torch._inductor.codegen.cpp import CppVecOverrides
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+from macroarch.mvas import codegen
+
+pytestmark = pytest.mark.slow
+
+
+def _bits(x):  # the stochastic rounding's pattern: float bits as int32, integer arithmetic, back to float
+    return ((x.view(torch.int32) + 0x1000) & ~0xFFF).view(torch.float32) * 0.5
+
+
+def _generated(fn, x, options):
+    torch._dynamo.reset()
+    with fresh_cache():
+        out, code = run_and_get_code(torch.compile(fn, options=options, dynamic=False), x)
+    return out, "\n".join(code)
+
+
+def test_inside_the_context_bit_casts_are_vector_casts_with_the_same_bits_and_the_patch_is_undone():
+    x = torch.randn(4096)
+    original = vars(CppVecOverrides)["to_dtype_bitcast"]
+    options = {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"}
+    plain_out, plain = _generated(_bits, x, options)
+    with codegen.vector_bitcasts():
+        assert vars(CppVecOverrides)["to_dtype_bitcast"] is not original
+        out, code = _generated(_bits, x, codegen.options())
+    assert vars(CppVecOverrides)["to_dtype_bitcast"] is original
+    assert "at::vec::cast<int32_t>" in code and "at::vec::cast<float>" in code and "tmpbuf_out" not in code
+    assert "tmpbuf_out" in plain  # torch 2.14 without the fix: a lane-by-lane copy through memory
+    expected = _bits(x)
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(plain_out.view(torch.int32), expected.view(torch.int32))
+    with pytest.raises(RuntimeError, match="inside"), codegen.vector_bitcasts():
+        raise RuntimeError("inside")
+    assert vars(CppVecOverrides)["to_dtype_bitcast"] is original
+
+
+def test_the_options_key_the_cache_by_the_fix_and_the_vector_width_and_follow_the_thread_count():
+    options = codegen.options()
+    assert isinstance(options["cpp.simdlen"], int) and options["cpp.dynamic_threads"] is True
+    assert "vector bit casts" in options["post_grad_custom_post_pass"].uuid()
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # compiled under one thread, the loops still ask OpenMP for the caller's thread count at run time
+        with codegen.vector_bitcasts():
+            _, code = _generated(_bits, torch.randn(1 << 16), options)
+    finally:
+        torch.set_num_threads(old)
+    assert "#pragma omp parallel" in code and "num_threads(1)" not in code
