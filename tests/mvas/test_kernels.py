@@ -343,9 +343,9 @@ def test_a_step_on_the_same_views_reuses_its_plan_and_any_new_stored_tensor_or_g
     def step(tensors, grad, k, fresh):
         if fresh:
             kernels._STEP_PLANNED.pop(tensors[0][0], None)
+        scalars = adamw_scalars(k, 1e-3, 0.9, 0.999, 1e-8, 0.1)
         kernels.adamw_step(grad, tuple(tensors[0]), None, tuple(tensors[1]), tuple(tensors[2]),
-                           torch.tensor([kernels.stream_key(0, 0, k), 0]), adamw_scalars(k, 1e-3, 0.9, 0.999, 1e-8, 0.1),
-                           SPEC, compile=True)
+                           torch.tensor([kernels.stream_key(0, 0, k), 0]), scalars, SPEC, compile=True)
 
     for k in range(1, 5):
         grad = torch.randn(n, generator=g).to(torch.bfloat16 if k >= 3 else torch.float32)

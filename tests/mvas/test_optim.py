@@ -201,7 +201,7 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_large_tensors_are_updated_in_chunks_with_the_same_result(monkeypatch):
-    from macroarch.mvas import formats
+    from macroarch.mvas import optim as mvas_optim
 
     def run():
         torch.manual_seed(0)
@@ -213,7 +213,7 @@ def test_large_tensors_are_updated_in_chunks_with_the_same_result(monkeypatch):
         return store, opt, params
 
     store, opt, params = run()
-    monkeypatch.setattr(formats, "CHUNK_NUMEL", 64)  # 96 chunks per tensor
+    monkeypatch.setattr(mvas_optim, "STEP_CHUNK_NUMEL", 64)  # 96 chunks per tensor
     assert opt._chunk(params[0], opt.state[params[0]]) == 64
     chunked_store, chunked_opt, chunked = run()
     for name in store.entries:
