@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from macroarch.mvas import kernels
+from macroarch.mvas.codecs import _is_fake
 from macroarch.mvas.formats import get_format
 from macroarch.mvas.tensor import MVASWeight
 from macroarch.optim._state import restore_saved_state
@@ -223,12 +224,14 @@ class MVASAdamW(torch.optim.Optimizer):
         Python time of a step of a small tensor."""
         managed = isinstance(weight, MVASWeight)
         stored = weight.payload if managed else weight
-        token = (stored.data_ptr(), stored.dtype, weight.numel(), getattr(weight, "format", None),
-                 getattr(weight, "block_size", None), *(state[k].data_ptr() if k in state else None
-                                                        for k in ("exp_avg", "exp_avg_sq", "master")))
-        cached = self._plans.get(p)
-        if cached is not None and cached[0] == token:
-            return cached[1], cached[2]
+        token = None
+        if not _is_fake(stored):  # fake tensors (memory measurements) have no data pointer: planned every step
+            token = (stored.data_ptr(), stored.dtype, weight.numel(), getattr(weight, "format", None),
+                     getattr(weight, "block_size", None), *(state[k].data_ptr() if k in state else None
+                                                            for k in ("exp_avg", "exp_avg_sq", "master")))
+            cached = self._plans.get(p)
+            if cached is not None and cached[0] == token:
+                return cached[1], cached[2]
         spec = kernels.canonical_spec(self._spec(weight, state))
         master = state["master"].view(-1) if "master" in state else None
         flat = None if managed else weight.view(-1)
@@ -243,7 +246,8 @@ class MVASAdamW(torch.optim.Optimizer):
             moments = [_slice(state[key_], state.get(key_ + "_scales"), spec.state_format, spec.state_block, start,
                               stop) for key_ in ("exp_avg", "exp_avg_sq")]
             chunks.append((start, stop, w, None if master is None else master[start:stop], *moments))
-        self._plans[p] = (token, spec, chunks)
+        if token is not None:
+            self._plans[p] = (token, spec, chunks)
         return spec, chunks
 
     # ------------------------------------------------------------------------------------------- state
