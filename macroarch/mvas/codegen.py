@@ -7,6 +7,11 @@
 process, so that Inductor's FX graph cache, whose key holds no CPU ISA, keeps one entry per vector width
 (``compiled``'s module docstring tells what goes wrong without it).
 
+**Threads** (``options``): ``cpp.dynamic_threads``, so that the loops ask OpenMP for the thread count of each call.
+Otherwise Inductor writes the thread count of the compiling process into the code, and dynamo's guards do not see
+it: a kernel compiled under one thread ran on one thread after ``torch.set_num_threads(2)`` (measured:
+``MVASAdamW`` at 16M elements, 119.6 ms on one thread, 114.9 on two; now 101 and 47).
+
 **Vector bit casts** (``vector_bitcasts``). ``Tensor.view(dtype)`` between float32 and int32, which the kernels do in
 every stochastic rounding, block scale and code computation, has no vector form in Inductor's C++ code generation
 (torch 2.14: ``CppVecOverrides`` has no ``to_dtype_bitcast``, so ``_scalarize`` makes it a lambda that stores the
