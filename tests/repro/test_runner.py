@@ -226,9 +226,11 @@ def _start_runner(project, isolated, *args):
     _profile(project, "ci", [{"notebook": "02_memory_wall"}])
     marker = isolated / "marker"
     env = {**os.environ, "TEST_MARKER": str(marker)}
+    # Ctrl-C is the default SIGINT action even where pytest itself runs with SIGINT ignored (a background job of a
+    # non-interactive shell, `make test &`: the runner would inherit the ignore and never see the signal)
     proc = subprocess.Popen([sys.executable, "-m", "macroarch.repro.cli", "reproduce", "--profile", "ci", "--only",
                              "C4", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
