@@ -1,7 +1,8 @@
 """How Inductor generates the C++ of the MVAS kernels: the options they compile with, and one fix to its vector code.
 
 ``macroarch.mvas.compiled`` compiles every kernel through ``options()`` and generates its code inside
-``vector_bitcasts()``; nothing here touches any other ``torch.compile`` in the process.
+``vector_bitcasts()``; nothing here touches any other ``torch.compile`` in the process (one compiling in another
+thread at that very moment would see the vector casts too, which give the same bits).
 
 **The vector ISA in the cache key** (``options``): ``cpp.simdlen`` is pinned to the width Inductor picks in this
 process, so that Inductor's FX graph cache, whose key holds no CPU ISA, keeps one entry per vector width
