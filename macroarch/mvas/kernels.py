@@ -51,6 +51,7 @@ the whole tensor, take the eager path.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -290,27 +291,25 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
     ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: ``functional.adamw_scalars(...)``."""
     spec = canonical_spec(spec)
-    planned = _STEP_PLANNED.get(weight[0])
-    if (planned is not None and all(a is b for a, b in zip(planned[0], (weight[1], master, *exp_avg, *exp_avg_sq,
-                                                                         spec, grad.dtype)))
-            and planned[1] == (grad.device, grad.numel()) and compile_enabled(compile) and compiled._unwatched()
-            and type(grad) is torch.Tensor and grad.is_contiguous()):
-        # the same stored tensors (by identity: _eligible then) and spec: only the gradient is new
-        rows, stored, key = planned[2:]
-        args = (_rows(grad, rows), *stored, counter, torch.tensor(scalars, dtype=torch.float64), spec)
-        run("adamw_step", rows, args, (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec),
-            _step_written, key=key)
-        return
-    rows = _step_rows(spec, grad.numel())
     flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, scalars, spec)
-    if rows is None or not (compile_enabled(compile) and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
-        return run("adamw_step", None, flat)
-    pair = lambda p: tuple(_rows(_as_bytes(t), rows) for t in p)  # noqa: E731
-    stored = (pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq))
+    same = (weight[1], master, *exp_avg, *exp_avg_sq, spec, grad.dtype)  # what a kept plan must see again (identity)
+    planned = _STEP_PLANNED.get(weight[0])
+    key = None
+    if (planned is not None and all(map(operator.is_, planned[0], same)) and planned[1] == (grad.device, grad.numel())
+            and compile_enabled(compile) and compiled._unwatched() and type(grad) is torch.Tensor
+            and grad.is_contiguous()):
+        rows, stored, key = planned[2:]  # the same stored tensors (_eligible then) and spec: only the gradient is new
+    else:
+        rows = _step_rows(spec, grad.numel())
+        if rows is None or not (compile_enabled(compile)
+                                and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
+            return run("adamw_step", None, flat)
+        pair = lambda p: tuple(_rows(_as_bytes(t), rows) for t in p)  # noqa: E731
+        stored = (pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq))
     args = (_rows(grad, rows), *stored, counter, torch.tensor(scalars, dtype=torch.float64), spec)
-    key = ("adamw_step", compiled._signature(args))
-    _STEP_PLANNED[weight[0]] = ((weight[1], master, *exp_avg, *exp_avg_sq, spec, grad.dtype),
-                                (grad.device, grad.numel()), rows, stored, key)
+    if key is None:
+        key = ("adamw_step", compiled._signature(args))
+        _STEP_PLANNED[weight[0]] = (same, (grad.device, grad.numel()), rows, stored, key)
     run("adamw_step", rows, args, flat, _step_written, key=key)
 
 

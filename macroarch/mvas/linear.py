@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from macroarch.mvas.compiled import _unwatched
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -59,8 +61,7 @@ def linear(weight: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if (len(args) > 3 or set(kwargs) - {"bias"} or type(x) not in _PLAIN or x.dim() < 2 or x.dtype != weight.dtype
             or weight._views or (bias is not None and type(bias) not in _PLAIN)
-            or torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling()
-            or torch.is_autocast_enabled(x.device.type)):
+            or not _unwatched() or torch.is_autocast_enabled(x.device.type)):
         return None
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (bias is not None and bias.requires_grad))):
