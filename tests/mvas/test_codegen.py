@@ -4,7 +4,7 @@ Each test compiles a small function with a fresh Inductor cache (a few seconds o
 
 import pytest
 import torch
-from torch._inductor.codegen.cpp import CppVecOverrides
+from torch._inductor.codegen.cpp import CppVecKernel, CppVecOverrides
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from macroarch.mvas import codegen
@@ -54,3 +54,25 @@ def test_the_options_key_the_cache_by_the_fix_and_the_vector_width_and_follow_th
     finally:
         torch.set_num_threads(old)
     assert "#pragma omp parallel" in code and "num_threads(1)" not in code
+
+
+def _codes(x):  # fp4-like codes: int32 lanes narrowed to bytes, and pairs of bytes packed through int16
+    codes = ((x.view(torch.int32) >> 20) & 0x8F).to(torch.uint8)
+    pairs = codes.view(torch.int16)
+    return codes, ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+
+
+@pytest.mark.skipif(not codegen.vec_isa().startswith("avx512"), reason="the int8 narrowing is AVX-512's")
+def test_narrowing_to_bytes_goes_through_int8_on_avx512_with_the_same_bytes():
+    x = torch.randn(1 << 14) * 1e3
+    original = vars(CppVecKernel)["get_to_dtype_expr"]
+    plain_out, plain = _generated(_codes, x, {k: v for k, v in codegen.options().items()
+                                              if k != "post_grad_custom_post_pass"})
+    with codegen.vector_bitcasts():
+        out, code = _generated(_codes, x, codegen.options())
+    assert "at::vec::cast<uint8_t>(at::vec::convert<int8_t>(" in code
+    assert "at::vec::convert<uint8_t>(" in plain  # torch 2.14 without the fix: ATen's generic, scalar conversion
+    assert vars(CppVecKernel)["get_to_dtype_expr"] is original
+    expected = _codes(x)
+    for got in (out, plain_out):
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
