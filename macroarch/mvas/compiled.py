@@ -188,11 +188,20 @@ class _Direct:
         self.fn, self.plan, self.returns = fn, plan, returns
 
     def __call__(self, args: tuple) -> Any:
+        return self.bind(args)()
+
+    def bind(self, args: tuple) -> Callable[[], Any]:
+        """The call on ``args``, its graph inputs gathered once (a caller that keeps it skips even that)."""
         leaves = _leaves(args)
         inputs = [leaves[i] if dim is None else leaves[i].shape[dim] for i, dim in self.plan]
-        with torch.no_grad():
-            outputs = self.fn(*inputs)
-        return outputs[0] if self.returns else None
+        fn, returns = self.fn, self.returns
+
+        def call() -> Any:
+            with torch.no_grad():
+                outputs = fn(*inputs)
+            return outputs[0] if returns else None
+
+        return call
 
     @staticmethod
     def build(key: tuple, args: tuple, result: Any) -> _Direct | None:

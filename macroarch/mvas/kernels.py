@@ -91,13 +91,25 @@ _MASK = 0xFFFFFFFF
 _GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
 _LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
 _SPECS: dict[StepSpec, StepSpec] = {}
-# payload -> (scales, (format, block, numel, dtype), kernel key, kernel args) of its last compiled dequantisation:
-# a weight read every step skips rebuilding them (~40 us of Python a call); weak, so it never keeps storage alive
+# payload -> (scales, (format, block, numel, dtype), kernel key, kernel args, the verified direct call bound to them or
+# None) of its last compiled dequantisation: a weight read every step skips rebuilding them (~40 us of Python a call)
 _PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # stored weight (payload) -> (what else its last compiled step was planned for, by identity: scales, master, moments,
 # spec, gradient dtype; and by value: the gradient's device and size; rows; the stored tensors as the kernel's rows;
 # kernel key): MVASAdamW steps the same views of its state every step (~30 of ~40 us of Python a call otherwise)
 _STEP_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Both are weak on the payload and hold its rows as ``_alias``es, never as views: a view keeps its base alive, and a
+# kept plan would then keep every weight it ever served alive for the life of the process.
+
+
+def _alias(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``t`` (contiguous) as ``rows`` rows on its storage, holding no reference to ``t`` itself (a view would, through
+    its ``_base``): what the kept plans hold."""
+    if t is None:
+        return None
+    length = t.numel() // rows
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                               (rows, length), (length, 1))
 
 
 # --------------------------------------------------------------------------------------------- noise
@@ -247,6 +259,10 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
     planned = _PLANNED.get(payload)
     if (planned is not None and planned[0] is scales and planned[1] == (fmt, block_size, numel, dtype)
             and compile_enabled(compile) and compiled._unwatched()):  # the planned tensors were _eligible
+        direct = planned[4]
+        if direct is not None and compiled._VERIFIED.get(planned[2]) is direct[0]:
+            compiled._STATS["compiled_calls"] += 1
+            return direct[1]().view(-1)
         return run("dequantize", planned[3][0].shape[0], planned[3], (payload, scales, fmt, block_size, dtype),
                    key=planned[2]).view(-1)
     info = get_format(fmt)
@@ -263,9 +279,13 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
         return _dequantize(payload, scales, fmt, block_size, dtype)
     args = (_rows(_as_bytes(payload), rows), _rows(scales, rows), fmt, block_size, dtype)
     key = ("dequantize", compiled._signature(args))
+    result = run("dequantize", rows, args, (payload, scales, fmt, block_size, dtype), key=key).view(-1)
     if numel >= MIN_COMPILED_DEQUANTIZE:  # what the next call on this storage needs (below: eager unless compile=True)
-        _PLANNED[payload] = (scales, (fmt, block_size, numel, dtype), key, args)
-    return run("dequantize", rows, args, (payload, scales, fmt, block_size, dtype), key=key).view(-1)
+        kept = (_alias(_as_bytes(payload), rows), _alias(scales, rows), fmt, block_size, dtype)
+        verdict = compiled._VERIFIED.get(key)
+        direct = (verdict, verdict.bind(kept)) if isinstance(verdict, compiled._Direct) else None
+        _PLANNED[payload] = (scales, (fmt, block_size, numel, dtype), key, kept, direct)
+    return result
 
 
 def canonical_spec(spec: StepSpec) -> StepSpec:
@@ -304,8 +324,8 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
         if rows is None or not (compile_enabled(compile)
                                 and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
             return run("adamw_step", None, flat)
-        pair = lambda p: tuple(_rows(_as_bytes(t), rows) for t in p)  # noqa: E731
-        stored = (pair(weight), _rows(master, rows), pair(exp_avg), pair(exp_avg_sq))
+        pair = lambda p: tuple(_alias(_as_bytes(t), rows) for t in p)  # noqa: E731
+        stored = (pair(weight), _alias(master, rows), pair(exp_avg), pair(exp_avg_sq))
     args = (_rows(grad, rows), *stored, counter, torch.tensor(scalars, dtype=torch.float64), spec)
     if key is None:
         key = ("adamw_step", compiled._signature(args))

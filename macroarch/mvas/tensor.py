@@ -82,6 +82,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from macroarch.mvas import kernels
 from macroarch.mvas.formats import FORMATS, PackedTensor, get_format, pack, write_range
 from macroarch.mvas.linear import linear
 
@@ -178,7 +179,14 @@ class MVASWeight(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense value (a plain tensor, no autograd history) in ``dtype`` (default: the compute dtype)."""
-        dense = self.packed().dequantize(self.dtype if dtype is None else dtype)
+        dtype = self.dtype if dtype is None else dtype
+        if self.scales is not None and not self._views:  # read every step: straight to its kept kernel call
+            shape = self._packed_shape  # what packed() has (self.shape and numel() would go through torch function)
+            dense = kernels.dequantize(self.payload, self.scales, self.format, self.block_size, math.prod(shape),
+                                       dtype, eager_fallback=False)
+            if dense is not None:
+                return dense.view(shape)
+        dense = self.packed().dequantize(dtype)
         for func, args, kwargs, index in self._views:
             dense = func(dense, *args, **kwargs)
             if index is not None:

@@ -329,6 +329,47 @@ def test_a_storage_read_again_reuses_its_plan_and_follows_writes_and_new_scales(
                        (2 * other.dequantize_range(0, n)).bfloat16())
 
 
+@pytest.mark.slow
+def test_a_kept_direct_call_is_used_only_while_its_kernel_stays_verified(monkeypatch):
+    torch._dynamo.reset()  # dynamo compiles again, so the direct call is captured afresh
+    monkeypatch.setattr(compiled, "_VERIFIED", {})  # the first call compiles and checks the kernel, and builds its
+    monkeypatch.setattr(compiled, "_COMPILED", {})  # direct call
+    n = kernels.MIN_COMPILED_DEQUANTIZE * 2
+    p = pack(torch.randn(n), "fp8_e4m3", 32)
+    first = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
+    assert isinstance(kernels._PLANNED[p.payload][4][0], compiled._Direct)
+    calls = []
+    monkeypatch.setattr(compiled, "run", lambda *a, **k: calls.append(a) or first)
+    monkeypatch.setattr(kernels, "run", compiled.run)
+    again = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
+    assert not calls and torch.equal(again, p.dequantize_range(0, n).bfloat16())  # the kept call, not run
+    monkeypatch.setattr(compiled, "_VERIFIED", {})  # to be checked again: the kept call is not used
+    kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
+    assert len(calls) == 1
+
+
+def test_kept_plans_never_keep_a_weight_alive(monkeypatch):
+    """The plans are weak on the payload and hold aliases of its storage, not views (a view keeps its base alive:
+    every weight ever dequantised or stepped stayed in memory for the life of the process)."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv(kernels.ENV, "1")  # the tests run eagerly unless asked
+    n = kernels.MIN_COMPILED_DEQUANTIZE * 2
+    model = nn.Linear(n // 64, 64, bias=False)
+    apply(model, plan_from_rules(model, [("weight", "fp8_e4m3")], block_size=32))
+    opt = MVASAdamW(model.parameters(), lr=1e-3, compile=True)
+    model(torch.randn(2, n // 64)).sum().backward()
+    opt.step()
+    model.weight.dequantize()
+    payload = model.weight.payload
+    assert payload in kernels._PLANNED and any(k is payload or k._base is payload for k in kernels._STEP_PLANNED)
+    gone = weakref.ref(payload)
+    del model, opt, payload
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_step_on_the_same_views_reuses_its_plan_and_any_new_stored_tensor_or_gradient_replans(monkeypatch):
     """What MVASAdamW does: the same views of its state every step, a new gradient each time. Each step equals the
     same step planned from scratch (the plans cleared), bit for bit; a new moment tensor or a gradient of another
