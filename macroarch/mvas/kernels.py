@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import operator
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ _MASK = 0xFFFFFFFF
 _GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
 _LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
 _SPECS: dict[StepSpec, StepSpec] = {}
+_last_scalars: tuple[bytes, torch.Tensor] | None = None  # the last compiled step's scalars: ``_scalars_tensor``
 # payload -> (scales, (format, block, numel, dtype), kernel key, kernel args, the verified direct call bound to them or
 # None) of its last compiled dequantisation: a weight read every step skips rebuilding them (~40 us of Python a call)
 _PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -326,11 +328,23 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
             return run("adamw_step", None, flat)
         pair = lambda p: tuple(_alias(_as_bytes(t), rows) for t in p)  # noqa: E731
         stored = (pair(weight), _alias(master, rows), pair(exp_avg), pair(exp_avg_sq))
-    args = (_rows(grad, rows), *stored, counter, torch.tensor(scalars, dtype=torch.float64), spec)
+    args = (_rows(grad, rows), *stored, counter, _scalars_tensor(tuple(scalars)), spec)
     if key is None:
         key = ("adamw_step", compiled._signature(args))
         _STEP_PLANNED[weight[0]] = (same, (grad.device, grad.numel()), rows, stored, key)
     run("adamw_step", rows, args, flat, _step_written, key=key)
+
+
+def _scalars_tensor(scalars: tuple[float, ...]) -> torch.Tensor:
+    """``scalars`` as the float64 tensor a compiled step reads them from: the last call's tensor when they are the
+    same bits (every tensor of a parameter group steps with the same scalars, and the kernels only read them)."""
+    global _last_scalars
+    key, last = struct.pack(f"{len(scalars)}d", *scalars), _last_scalars  # one read: another thread may replace it
+    if last is not None and last[0] == key:
+        return last[1]
+    tensor = torch.tensor(scalars, dtype=torch.float64)
+    _last_scalars = (key, tensor)
+    return tensor
 
 
 def _step_written(args: tuple) -> list[tuple[torch.Tensor | None, str]]:

@@ -121,7 +121,8 @@ def owned_params(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor
 def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """The local shard of a ``DTensor`` (``to_local()``, which shares its storage), any other tensor (or None)
     as it is: optimizers update the shard a rank holds and keep their state local."""
-    if tensor is not None and hasattr(tensor, "to_local") and hasattr(tensor, "device_mesh"):
+    if type(tensor) is not torch.Tensor and tensor is not None and hasattr(tensor, "to_local") \
+            and hasattr(tensor, "device_mesh"):
         return tensor.to_local()
     return tensor
 
