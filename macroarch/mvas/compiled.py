@@ -82,13 +82,22 @@ _PENDING: list[tuple] = []  # the kernel (name, ``_signature``) a compiled call 
 _CAPTURED: dict[tuple, tuple] = {}  # kernel -> (graph, compiled callable, example inputs) from ``_Inductor``
 _SOURCES: dict[str, Any] = {}  # kernel name -> its eager source (``register``)
 _DEVICES = ("cpu", "cuda")
+# os.environ's own mapping (CPython's ``os._Environ``: what os.environ, putenv and pytest's monkeypatch keep current),
+# read straight: compile_enabled is on the path of every weight read, and os.environ.get costs ~0.7 us of Python
+_ENVIRON = getattr(os.environ, "_data", None) if hasattr(os.environ, "encodekey") else None
+_ENV_KEY = os.environ.encodekey(ENV) if _ENVIRON is not None else None
 
 
 def compile_enabled(compile: bool | None = None) -> bool:
     """``compile`` if given, else whether ``MACROARCH_COMPILE`` allows it (default: yes)."""
     if compile is not None:
         return bool(compile)
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    value = _ENVIRON.get(_ENV_KEY) if _ENVIRON is not None else os.environ.get(ENV)
+    if value is None:
+        return True
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def compile_stats() -> dict[str, float]:
@@ -200,8 +209,12 @@ class _Direct:
         fn, returns = self.fn, self.returns
 
         def call() -> Any:
-            with torch.no_grad():
+            grad = torch.is_grad_enabled()  # no_grad without its context manager: on the path of every weight read
+            torch._C._set_grad_enabled(False)
+            try:
                 outputs = fn(*inputs)
+            finally:
+                torch._C._set_grad_enabled(grad)
             return outputs[0] if returns else None
 
         return call

@@ -53,10 +53,12 @@ from __future__ import annotations
 import math
 import operator
 import struct
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from macroarch.mvas import compiled
 from macroarch.mvas.codecs import (
@@ -88,6 +90,53 @@ MIN_COMPILED_DEQUANTIZE = 8192
 """Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
 before any work (dynamo's guards and Inductor's wrapper; measured, one core: fp8 4096 elements 73 us compiled
 against 37 eager, 16384: 74 against 98). The step is compiled at every size (4096 elements: 170 against 503 us)."""
+class _WeakById:
+    """A map weak on its tensor keys, by identity: torch's ``WeakIdKeyDictionary`` without its cost per lookup (a
+    ``WeakIdRef`` object built for each; ~1 us, on the path of every read of a managed weight). An entry goes when
+    its key dies (the reference's callback; a later object given the same id never sees it)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def get(self, key: torch.Tensor, default: Any = None) -> Any:
+        entry = self._entries.get(id(key))
+        return entry[1] if entry is not None and entry[0]() is key else default
+
+    def __getitem__(self, key: torch.Tensor) -> Any:
+        entry = self._entries.get(id(key))
+        if entry is None or entry[0]() is not key:
+            raise KeyError(key)
+        return entry[1]
+
+    def __contains__(self, key: torch.Tensor) -> bool:
+        entry = self._entries.get(id(key))
+        return entry is not None and entry[0]() is key
+
+    def __setitem__(self, key: torch.Tensor, value: Any) -> None:
+        entries, ident = self._entries, id(key)
+
+        def forget(ref: weakref.ref, entries: dict = entries, ident: int = ident) -> None:
+            if entries.get(ident, (None,))[0] is ref:
+                del entries[ident]
+
+        self._entries[ident] = (weakref.ref(key, forget), value)
+
+    def pop(self, key: torch.Tensor, default: Any = None) -> Any:
+        value = self.get(key, self)
+        if value is self:
+            return default
+        del self._entries[id(key)]
+        return value
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([key for key in (ref() for ref, _ in list(self._entries.values())) if key is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
 _LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
@@ -95,11 +144,11 @@ _SPECS: dict[StepSpec, StepSpec] = {}
 _last_scalars: tuple[bytes, torch.Tensor] | None = None  # the last compiled step's scalars: ``_scalars_tensor``
 # payload -> (scales, (format, block, numel, dtype), kernel key, kernel args, the verified direct call bound to them or
 # None) of its last compiled dequantisation: a weight read every step skips rebuilding them (~40 us of Python a call)
-_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PLANNED: _WeakById = _WeakById()
 # stored weight (payload) -> (what else its last compiled step was planned for, by identity: scales, master, moments,
 # spec, gradient dtype; and by value: the gradient's device and size; rows; the stored tensors as the kernel's rows;
 # kernel key): MVASAdamW steps the same views of its state every step (~30 of ~40 us of Python a call otherwise)
-_STEP_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STEP_PLANNED: _WeakById = _WeakById()
 # Both are weak on the payload and hold its rows as ``_alias``es, never as views: a view keeps its base alive, and a
 # kept plan would then keep every weight it ever served alive for the life of the process.
 

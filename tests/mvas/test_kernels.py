@@ -348,6 +348,19 @@ def test_a_kept_direct_call_is_used_only_while_its_kernel_stays_verified(monkeyp
     assert len(calls) == 1
 
 
+def test_the_plans_map_is_weak_and_by_identity():
+    plans = kernels._WeakById()
+    a, b = torch.zeros(3), torch.zeros(3)  # equal values, distinct tensors
+    plans[a] = "a"
+    assert a in plans and b not in plans and plans.get(b) is None and plans[a] == "a" and list(plans) == [a]
+    with pytest.raises(KeyError):
+        plans[b]
+    del a
+    assert len(plans) == 0 and not plans._entries  # gone with its key
+    c = torch.zeros(3)
+    assert c not in plans and plans.pop(c, "none") == "none"
+
+
 def test_kept_plans_never_keep_a_weight_alive(monkeypatch):
     """The plans are weak on the payload and hold aliases of its storage, not views (a view keeps its base alive:
     every weight ever dequantised or stepped stayed in memory for the life of the process)."""
