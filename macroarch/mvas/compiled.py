@@ -42,7 +42,7 @@ the first compiled call of each kernel (``_signature``: static arguments, dtypes
 checked against the eager path on the same inputs. The dequantisation compares bitwise; the step runs compiled
 on copies of what it writes and eagerly on the caller's tensors (written once, by the reference), and compares
 within the bounds of ``macroarch.mvas.kernels``' Equality section (fp32 within 2^-16, codes: at most 2% one grid
-step apart, ``CODE_FLIPS``). On a mismatch it warns once, naming the kernel, ``vec_isa()`` and what differed, and
+step apart, ``guard.CODE_FLIPS``). On a mismatch it warns once, naming the kernel, ``vec_isa()`` and what differed, and
 that kernel runs eagerly for the rest of the process.
 Cost, once per kernel: an eager run, copies and a comparison (measured at 2^20 elements, one loaded core: 0.18 s
 for an fp8 step, against 7 ms compiled; 9 ms for an fp8 dequantisation); ``compile_stats()`` reports
@@ -62,8 +62,8 @@ from typing import Any
 import torch
 
 from macroarch.mvas import codegen
-from macroarch.mvas.codecs import _FP8_DTYPES, _e2m1_byte_table, get_format
 from macroarch.mvas.codegen import vec_isa
+from macroarch.mvas.guard import _bitwise_difference, _step_difference
 
 __all__ = ["ENV", "compile_enabled", "compile_stats", "register", "reset_compile_stats",
            "run", "vec_isa"]
@@ -74,13 +74,6 @@ _RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's def
 _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
           "check_seconds": 0.0, "mismatches": 0}
 _GUARD = True  # check the first compiled call of each kernel against the eager path (``_check``)
-# Codes a compiled step may write one grid step away from the eager step's, as a fraction of the codes: an ulp of the
-# reordered fp32 update flips a value that sits on a rounding midpoint. A first step from zero moments with bf16
-# gradients puts many there (sqrt(v) = sqrt(1 - beta2) |g|, g of 8 significant bits, scaled to its block's largest):
-# measured, 80 draws of 4096 elements, up to 0.63% of the sqrt(v) codes, which failed the earlier bound of 0.2% in a
-# quarter of the draws and sent the kernel to the eager path for the process (4x slower). A miscompile, or a wrong
-# rounding or noise, moves codes by more than a grid step or flips about half of them.
-CODE_FLIPS = 0.02
 # kernel (name, ``_signature``) -> how it runs after its first compiled call was checked: a ``_Direct`` (compiled,
 # called straight), True (compiled, through dynamo: no direct call was captured), False (it differed: eager)
 _VERIFIED: dict[tuple, Any] = {}
@@ -380,59 +373,3 @@ def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[
                       "A stale Inductor cache (TORCHINDUCTOR_CACHE_DIR) written under another ISA is one cause.",
                       RuntimeWarning, stacklevel=4)
     return result
-
-
-def _bitwise_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
-    """None if ``got`` is ``want`` bit for bit (any NaN matching any NaN), else what differs."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return f"got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    same = (got.view(ints) == want.view(ints)) | (got.isnan() & want.isnan())
-    if bool(same.all()):
-        return None
-    bad = (~same).view(-1).nonzero()[0, 0]
-    return (f"{int((~same).sum())} of {same.numel()} values not bitwise equal, the first at index {int(bad)}: "
-            f"{float(got.view(-1)[bad])!r} instead of {float(want.view(-1)[bad])!r}")
-
-
-def _grid_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Stored codes as the (unscaled) values they stand for, float32: fp4 bytes as their two nibbles, fp8 bytes
-    (``_as_bytes``) as fp8."""
-    if fmt == "fp4_e2m1":
-        return _e2m1_byte_table(codes.device)[codes.long()].view(-1)
-    if codes.dtype == torch.uint8 and get_format(fmt).storage_dtype in _FP8_DTYPES:
-        codes = codes.view(get_format(fmt).storage_dtype)
-    return codes.float().view(-1)
-
-
-def _step_difference(got: torch.Tensor, want: torch.Tensor, fmt: str) -> str | None:
-    """None if what the compiled step wrote (``got``) matches the eager step (``want``) within the bounds of
-    ``macroarch.mvas.kernels``, else what differs. fp32 (masters, scales, dense moments): within 2^-16 of the value
-    or of the tensor's largest magnitude; codes: at most ``CODE_FLIPS`` of them (and 2) differ, each by at most one grid
-    step."""
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return f"{fmt}: got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
-    if fmt == "fp32":
-        g, w = got.view(-1), want.view(-1)
-        finite = w.isfinite()
-        scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
-        ok = ((g - w).abs() <= 2.0 ** -16 * (w.abs() + scale)) | (g.isnan() & w.isnan()) | (g == w)
-        if bool(ok.all()):
-            return None
-        bad = (~ok).nonzero()[0, 0]
-        return (f"fp32: {int((~ok).sum())} of {ok.numel()} values beyond 2^-16 relative, the first at index "
-                f"{int(bad)}: {float(g[bad])!r} instead of {float(w[bad])!r}")
-    info = get_format(fmt)
-    g, w = _grid_values(got, fmt), _grid_values(want, fmt)
-    differ = (g.view(torch.int32) != w.view(torch.int32)) & ~(g.isnan() & w.isnan())
-    count = int(differ.sum())
-    if count == 0:
-        return None
-    floor = 2.0 ** (2 - 2 ** (info.exponent_bits - 1))  # the smallest normal: the subnormals' spacing below it
-    spacing = torch.minimum(g.abs(), w.abs()).clamp(min=floor) * 2.0 ** -info.mantissa_bits
-    far = differ & ~((g - w).abs() <= spacing * 1.0001)
-    if count <= CODE_FLIPS * differ.numel() + 2 and not bool(far.any()):
-        return None
-    bad = (far if bool(far.any()) else differ).nonzero()[0, 0]
-    return (f"{fmt}: {count} of {differ.numel()} codes differ ({int(far.sum())} by more than one grid step), the "
-            f"first at element {int(bad)}: {float(g[bad])!r} instead of {float(w[bad])!r}")

@@ -42,7 +42,7 @@ reordered by Inductor (it decomposes ``lerp`` and ``addcdiv`` and fuses ``addcmu
 and eager agree on the fp32 update to a few ulps: block scales within 4 ulps, and codes one grid step apart where
 such an ulp crosses a rounding boundary: rare (0.2% at most on random moments), more on a first step from zero
 moments with bf16 gradients (up to 0.63% of the sqrt(v) codes measured), whose values sit on rounding midpoints
-(the guard allows 2%: ``compiled.CODE_FLIPS``; ``tests/mvas/test_kernels.py`` checks these bounds). The
+(the guard allows 2%: ``guard.CODE_FLIPS``; ``tests/mvas/test_kernels.py`` checks these bounds). The
 dequantisation is exact either way: compiled equals eager bitwise.
 
 Layout: a kernel sees every input as rows of one static length (whole blocks of the weight and of the moments,

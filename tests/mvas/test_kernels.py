@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from macroarch.mvas import codegen, compiled, kernels, plan_from_rules
+from macroarch.mvas import codegen, compiled, guard, kernels, plan_from_rules
 from macroarch.mvas.formats import FORMATS, pack
 from macroarch.mvas.optim import MVASAdamW, _min_subnormal
 from macroarch.mvas.store import apply
@@ -116,7 +116,7 @@ def test_the_guard_accepts_first_steps_from_zero_moments_with_bf16_gradients(mon
                 kernels.adamw_step(grad, tuple(tensors[0]), None, tuple(tensors[1]), tuple(tensors[2]), counter,
                                    scalars, spec, compile=compile)
             for (got, _), (want, _), fmt in zip(state, twin, (weight_format, "fp8_e4m3", "fp8_e4m3")):
-                assert compiled._step_difference(got, want, fmt) is None
+                assert guard._step_difference(got, want, fmt) is None
             flips.append(float((state[2][0].view(torch.uint8) != twin[2][0].view(torch.uint8)).double().mean()))
     assert max(flips) > 2e-3  # the case this test is about (the earlier bound) does occur among these draws
 
@@ -274,7 +274,7 @@ def test_a_kernel_that_matches_eager_is_checked_once_then_runs_compiled(monkeypa
 
 _AVX2_SCRIPT = r"""
 import json, sys, copy, torch
-from macroarch.mvas import compiled, kernels
+from macroarch.mvas import compiled, guard, kernels
 from macroarch.mvas.formats import pack
 from macroarch.mvas.optim import _min_subnormal
 from macroarch.optim.functional import adamw_scalars
@@ -304,7 +304,7 @@ scalars = adamw_scalars(3.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
 counter = torch.tensor([kernels.stream_key(0, 0, 3), 0])
 kernels.adamw_step(grad, tuple(state[0]), None, tuple(state[1]), tuple(state[2]), counter, scalars, spec, compile=True)
 kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, spec, compile=False)
-result["step"] = [compiled._step_difference(a, b, f) for (pa, sa), (pb, sb) in zip(state, twin)
+result["step"] = [guard._step_difference(a, b, f) for (pa, sa), (pb, sb) in zip(state, twin)
                   for a, b, f in ((pa, pb, "fp8_e4m3"), (sa, sb, "fp32"))]
 result["compiled_calls"] = kernels.compile_stats()["compiled_calls"]
 print(json.dumps(result))
