@@ -29,7 +29,8 @@ one instruction (``vpmovdb``, ``vpmovwb``) but has no such conversion to uint8, 
 ``at::vec::convert<uint8_t>`` of an int32 vector (every fp4 code, and the packing of two codes into a byte) is
 ATen's generic one: a store, sixteen scalar conversions (``vpextrd``/``vpinsrb`` in ``perf annotate``) and a
 partial load. Inside this context it is the int8 conversion, reinterpreted as uint8: the same bytes (both
-truncate to the low 8 bits). Only where the kernel's vectors are AVX-512's (AVX2 has no int8 conversion either).
+truncate to the low 8 bits). AVX2 has no such conversion either: there the low bytes are packed with AVX2's unsigned
+saturating packs, of values masked to 0..255 (so exact).
 
 The fix changes generated code that Inductor's cache key does not see, so the kernels compile with a graph pass that
 does nothing and whose ``uuid`` names the fix (``post_grad_custom_post_pass``: Inductor's documented way to put a
@@ -48,7 +49,7 @@ from typing import Any
 __all__ = ["options", "vec_isa", "vector_bitcasts"]
 
 _FIX = ("macroarch.mvas.codegen: vector bit casts between 32-bit types (at::vec::cast), 1; "
-        "int32/int16 to uint8 through int8 on AVX-512, 1")
+        "int32/int16 to uint8 through int8 on AVX-512, by saturating packs on AVX2, 1")
 
 
 def vec_isa() -> str:
@@ -75,6 +76,19 @@ def options() -> dict[str, Any]:
     if patch is not None:
         chosen["post_grad_custom_post_pass"] = patch[1]
     return chosen
+
+
+# AVX2: the low byte of each lane, packed into the low lanes of a uint8 vector (the rest zero), with unsigned saturating
+# packs of values masked to 0..255 (so exact): 8 int32 lanes (two packs) or 16 int16 lanes (one)
+_AVX2_BYTES = {
+    "int32": "[&]() {{ __m256i t = _mm256_and_si256(__m256i({0}), _mm256_set1_epi32(255)); "
+             "__m128i w = _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)); "
+             "return at::vec::Vectorized<uint8_t>(_mm256_inserti128_si256(_mm256_setzero_si256(), "
+             "_mm_packus_epi16(w, _mm_setzero_si128()), 0)); }}()",
+    "int16": "[&]() {{ __m256i t = _mm256_and_si256(__m256i({0}), _mm256_set1_epi16(255)); "
+             "return at::vec::Vectorized<uint8_t>(_mm256_inserti128_si256(_mm256_setzero_si256(), "
+             "_mm_packus_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)), 0)); }}()",
+}
 
 
 @contextlib.contextmanager
@@ -126,9 +140,13 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
 
     def get_to_dtype_expr(self: Any, src: Any, dtype: Any, src_dtype: Any, rounding: bool = False) -> str:
         if (dtype == torch.uint8 and src_dtype in (torch.int32, torch.int16) and not rounding
-                and getattr(src, "is_vec", False) and getattr(self.vec_isa, "bit_width", lambda: 0)() == 512
+                and getattr(src, "is_vec", False)
                 and self._get_num_vectors(src_dtype) == 1 and self._get_num_vectors(dtype) == 1):
-            return f"at::vec::cast<uint8_t>(at::vec::convert<int8_t>({src}))"
+            width = getattr(self.vec_isa, "bit_width", lambda: 0)()
+            if width == 512:
+                return f"at::vec::cast<uint8_t>(at::vec::convert<int8_t>({src}))"
+            if width == 256 and str(self.vec_isa) == "avx2":
+                return _AVX2_BYTES[str(src_dtype).removeprefix("torch.")].format(src)
         return to_dtype_expr(self, src, dtype, src_dtype, rounding)
 
     to_dtype_bitcast.__name__ = "to_dtype_bitcast"

@@ -62,16 +62,22 @@ def _codes(x):  # fp4-like codes: int32 lanes narrowed to bytes, and pairs of by
     return codes, ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
 
 
-@pytest.mark.skipif(not codegen.vec_isa().startswith("avx512"), reason="the int8 narrowing is AVX-512's")
-def test_narrowing_to_bytes_goes_through_int8_on_avx512_with_the_same_bytes():
+@pytest.mark.skipif(codegen.vec_isa().split()[0] not in ("avx512", "avx2"), reason="AVX-512 and AVX2 only")
+def test_narrowing_to_bytes_is_vector_code_with_the_same_bytes():
+    """AVX-512: ATen's int8 conversion reinterpreted as uint8; AVX2: saturating packs of the masked low bytes. Run
+    under ``ATEN_CPU_CAPABILITY=avx2`` too (tests/mvas/test_kernels.py's AVX2 test compiles the kernels that way)."""
     x = torch.randn(1 << 14) * 1e3
     original = vars(CppVecKernel)["get_to_dtype_expr"]
     plain_out, plain = _generated(_codes, x, {k: v for k, v in codegen.options().items()
                                               if k != "post_grad_custom_post_pass"})
     with codegen.vector_bitcasts():
         out, code = _generated(_codes, x, codegen.options())
-    assert "at::vec::cast<uint8_t>(at::vec::convert<int8_t>(" in code
+    if codegen.vec_isa().startswith("avx512"):
+        assert "at::vec::cast<uint8_t>(at::vec::convert<int8_t>(" in code
+    else:
+        assert "_mm_packus_epi32(" in code and "_mm_packus_epi16(" in code
     assert "at::vec::convert<uint8_t>(" in plain  # torch 2.14 without the fix: ATen's generic, scalar conversion
+    assert "at::vec::convert<uint8_t>(" not in code
     assert vars(CppVecKernel)["get_to_dtype_expr"] is original
     expected = _codes(x)
     for got in (out, plain_out):
