@@ -56,7 +56,7 @@ import math
 import operator
 import struct
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,7 @@ from macroarch.mvas.compiled import (
 from macroarch.optim.functional import adamw_update_
 
 __all__ = ["ENV", "MIN_COMPILED_DEQUANTIZE", "StepSpec", "adamw_step", "compile_enabled", "compile_stats",
-           "counter_noise", "dequantize", "reset_compile_stats", "vec_isa"]
+           "counter_noise", "dequantize", "prepared_step", "reset_compile_stats", "vec_isa"]
 
 MIN_COMPILED_DEQUANTIZE = 8192
 """Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
@@ -384,6 +384,51 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
         key = ("adamw_step", compiled._signature(args))
         _STEP_PLANNED[weight[0]] = (same, (grad.device, grad.numel()), rows, stored, key)
     run("adamw_step", rows, args, flat, _step_written, key=key)
+
+
+def prepared_step(weight: tuple, spec: StepSpec) -> Callable[..., None] | None:
+    """The compiled step that last ran on ``weight``'s storage (``adamw_step``), its stored tensors bound:
+    ``call(grad_rows, counter, scalars_tensor)`` runs the next step of the same tensors straight into its direct
+    call (the caller checks that the gradient is a plain contiguous tensor of ``call.grad_dtype`` and that
+    ``call.current()``), skipping the planning ``adamw_step`` repeats on every call (measured: 30 fp8/fp4 tensors of
+    4096 elements, one core, 3.1 ms a step against 1.2 ms for the kernel calls alone). None where that step did not
+    run through a verified direct call."""
+    planned = _STEP_PLANNED.get(weight[0])
+    if planned is None or planned[0][-2] is not spec:
+        return None
+    same, _, rows, stored, key = planned
+    verdict = compiled._VERIFIED.get(key)
+    if not isinstance(verdict, compiled._Direct):
+        return None
+    leaves = compiled._leaves((None, *stored, None, None, spec))  # the leaves of adamw_step's kernel arguments
+    moving = (0, len(leaves) - 3, len(leaves) - 2)  # the gradient rows, the counter, the scalars tensor
+    template: list[Any] = []
+    slots: list[tuple[int, int]] = []
+    for position, (index, dim) in enumerate(verdict.plan):
+        if dim is not None:
+            template.append(rows)  # every argument has ``rows`` rows
+        elif index in moving:
+            template.append(None)
+            slots.append((position, moving.index(index)))
+        else:
+            template.append(leaves[index])
+    fn, stats = verdict.fn, compiled._STATS
+
+    def call(*given: torch.Tensor) -> None:
+        inputs = template.copy()
+        for position, which in slots:
+            inputs[position] = given[which]
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            fn(*inputs)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        stats["compiled_calls"] += 1
+
+    call.rows, call.grad_dtype = rows, same[-1]  # type: ignore[attr-defined]
+    call.current = lambda: compiled._VERIFIED.get(key) is verdict  # type: ignore[attr-defined]
+    return call
 
 
 def _scalars_tensor(scalars: tuple[float, ...]) -> torch.Tensor:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from macroarch.mvas import kernels
+from macroarch.mvas import compiled, kernels
 from macroarch.mvas.codecs import _is_fake
 from macroarch.mvas.formats import get_format
 from macroarch.mvas.tensor import MVASWeight
@@ -109,6 +109,8 @@ class MVASAdamW(torch.optim.Optimizer):
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
         self.compile = compile  # None: MACROARCH_COMPILE decides (macroarch.mvas.kernels)
         self._plans: dict[torch.Tensor, tuple] = {}  # parameter -> (storage token, spec, chunks): ``_plan``
+        # parameter -> (its chunks, their kernels.prepared_step calls) once a step ran them compiled (``_step_tensor``)
+        self._prepared: dict[torch.Tensor, tuple | None] = {}
         self.skipped_nonfinite = 0  # steps skipped for an inf/NaN gradient or loss
         self.step_was_skipped = False  # whether the last step() skipped (LR schedulers may hold back)
 
@@ -183,21 +185,24 @@ class MVASAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        checked = [p.grad for p in params] + [None if loss is None else torch.as_tensor(loss).detach()]
-        self.step_was_skipped = not all_finite(checked, over=params)  # on every rank of DTensor parameters alike
-        if self.step_was_skipped:
-            self.skipped_nonfinite += 1
-            return loss
-        index = -1
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("MVASAdamW does not support sparse gradients")
-                self._step_tensor(p, index, lr, beta1, beta2, eps, wd)
+        # MVASWeight's torch function override has nothing to do for p.grad, numel() and version bumps, and costs
+        # ~1.5 us of Python each (six per managed tensor and step): off for the bookkeeping, not for dispatch
+        with torch._C.DisableTorchFunctionSubclass():
+            checked = [p.grad for p in params] + [None if loss is None else torch.as_tensor(loss).detach()]
+            self.step_was_skipped = not all_finite(checked, over=params)  # on every rank of DTensor parameters alike
+            if self.step_was_skipped:
+                self.skipped_nonfinite += 1
+                return loss
+            index = -1
+            for group in self.param_groups:
+                lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+                for p in group["params"]:
+                    index += 1
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise RuntimeError("MVASAdamW does not support sparse gradients")
+                    self._step_tensor(p, index, lr, beta1, beta2, eps, wd)
         return loss
 
     def _step_tensor(self, p: torch.Tensor, index: int, lr: float, beta1: float, beta2: float, eps: float,
@@ -211,9 +216,20 @@ class MVASAdamW(torch.optim.Optimizer):
         scalars = adamw_scalars(step, lr, beta1, beta2, eps, wd)
         spec, chunks = self._plan(p, weight, state)
         key = kernels.stream_key(self.seed, index, weight.numel(), int(step))
-        for start, stop, w, master, exp_avg, exp_avg_sq in chunks:
-            kernels.adamw_step(grad[start:stop], w, master, exp_avg, exp_avg_sq, torch.tensor([key, start]), scalars,
-                               spec, compile=self.compile)
+        calls = self._prepared.get(p)
+        if (calls is not None and calls[0] is chunks and type(grad) is torch.Tensor and grad.is_contiguous()
+                and grad.dtype is calls[1][0].grad_dtype and kernels.compile_enabled(self.compile)
+                and compiled._unwatched() and all(call.current() for call in calls[1])):
+            scalars_tensor = kernels._scalars_tensor(tuple(scalars))  # the same steps as below, planned already
+            for (start, stop, *_), call in zip(chunks, calls[1]):
+                call(grad[start:stop].view(call.rows, -1), torch.tensor([key, start]), scalars_tensor)
+        else:
+            for start, stop, w, master, exp_avg, exp_avg_sq in chunks:
+                kernels.adamw_step(grad[start:stop], w, master, exp_avg, exp_avg_sq, torch.tensor([key, start]),
+                                   scalars, spec, compile=self.compile)
+            prepared = [kernels.prepared_step(chunk[2], spec) for chunk in chunks]
+            self._prepared[p] = (chunks, prepared) if all(prepared) and self._plans.get(p, (0, 0, 0))[2] is chunks \
+                else None
         if isinstance(weight, MVASWeight):
             weight.mark_written()
 
