@@ -55,13 +55,13 @@ from __future__ import annotations
 import math
 import operator
 import struct
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from macroarch._weak import WeakById, rows_alias
 from macroarch.mvas import compiled
 from macroarch.mvas.codecs import (
     _DTYPE_FORMATS,
@@ -92,53 +92,6 @@ MIN_COMPILED_DEQUANTIZE = 8192
 """Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
 before any work (dynamo's guards and Inductor's wrapper; measured, one core: fp8 4096 elements 73 us compiled
 against 37 eager, 16384: 74 against 98). The step is compiled at every size (4096 elements: 170 against 503 us)."""
-class _WeakById:
-    """A map weak on its tensor keys, by identity: torch's ``WeakIdKeyDictionary`` without its cost per lookup (a
-    ``WeakIdRef`` object built for each; ~1 us, on the path of every read of a managed weight). An entry goes when
-    its key dies (the reference's callback; a later object given the same id never sees it)."""
-
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def get(self, key: torch.Tensor, default: Any = None) -> Any:
-        entry = self._entries.get(id(key))
-        return entry[1] if entry is not None and entry[0]() is key else default
-
-    def __getitem__(self, key: torch.Tensor) -> Any:
-        entry = self._entries.get(id(key))
-        if entry is None or entry[0]() is not key:
-            raise KeyError(key)
-        return entry[1]
-
-    def __contains__(self, key: torch.Tensor) -> bool:
-        entry = self._entries.get(id(key))
-        return entry is not None and entry[0]() is key
-
-    def __setitem__(self, key: torch.Tensor, value: Any) -> None:
-        entries, ident = self._entries, id(key)
-
-        def forget(ref: weakref.ref, entries: dict = entries, ident: int = ident) -> None:
-            if entries.get(ident, (None,))[0] is ref:
-                del entries[ident]
-
-        self._entries[ident] = (weakref.ref(key, forget), value)
-
-    def pop(self, key: torch.Tensor, default: Any = None) -> Any:
-        value = self.get(key, self)
-        if value is self:
-            return default
-        del self._entries[id(key)]
-        return value
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter([key for key in (ref() for ref, _ in list(self._entries.values())) if key is not None])
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
 _LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
@@ -146,23 +99,13 @@ _SPECS: dict[StepSpec, StepSpec] = {}
 _last_scalars: tuple[bytes, torch.Tensor] | None = None  # the last compiled step's scalars: ``_scalars_tensor``
 # payload -> (scales, (format, block, numel, dtype), kernel key, kernel args, the verified direct call bound to them or
 # None) of its last compiled dequantisation: a weight read every step skips rebuilding them (~40 us of Python a call)
-_PLANNED: _WeakById = _WeakById()
+_PLANNED: WeakById = WeakById()
 # stored weight (payload) -> (what else its last compiled step was planned for, by identity: scales, master, moments,
 # spec, gradient dtype; and by value: the gradient's device and size; rows; the stored tensors as the kernel's rows;
 # kernel key): MVASAdamW steps the same views of its state every step (~30 of ~40 us of Python a call otherwise)
-_STEP_PLANNED: _WeakById = _WeakById()
-# Both are weak on the payload and hold its rows as ``_alias``es, never as views: a view keeps its base alive, and a
-# kept plan would then keep every weight it ever served alive for the life of the process.
-
-
-def _alias(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-    """``t`` (contiguous) as ``rows`` rows on its storage, holding no reference to ``t`` itself (a view would, through
-    its ``_base``): what the kept plans hold."""
-    if t is None:
-        return None
-    length = t.numel() // rows
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
-                                                               (rows, length), (length, 1))
+_STEP_PLANNED: WeakById = WeakById()
+# Both are weak on the payload and hold its rows as ``rows_alias``es, never as views: a view keeps its base alive,
+# and a kept plan would then keep every weight it ever served alive for the life of the process.
 
 
 # --------------------------------------------------------------------------------------------- noise
@@ -334,7 +277,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
     key = ("dequantize", compiled._signature(args))
     result = run("dequantize", rows, args, (payload, scales, fmt, block_size, dtype), key=key).view(-1)
     if numel >= MIN_COMPILED_DEQUANTIZE:  # what the next call on this storage needs (below: eager unless compile=True)
-        kept = (_alias(_as_bytes(payload), rows), _alias(scales, rows), fmt, block_size, dtype)
+        kept = (rows_alias(_as_bytes(payload), rows), rows_alias(scales, rows), fmt, block_size, dtype)
         verdict = compiled._VERIFIED.get(key)
         direct = (verdict, verdict.bind(kept)) if isinstance(verdict, compiled._Direct) else None
         _PLANNED[payload] = (scales, (fmt, block_size, numel, dtype), key, kept, direct)
@@ -377,8 +320,8 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
         if rows is None or not (compile_enabled(compile)
                                 and _eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
             return run("adamw_step", None, flat)
-        pair = lambda p: tuple(_alias(_as_bytes(t), rows) for t in p)  # noqa: E731
-        stored = (pair(weight), _alias(master, rows), pair(exp_avg), pair(exp_avg_sq))
+        pair = lambda p: tuple(rows_alias(_as_bytes(t), rows) for t in p)  # noqa: E731
+        stored = (pair(weight), rows_alias(master, rows), pair(exp_avg), pair(exp_avg_sq))
     args = (_rows(grad, rows), *stored, counter, _scalars_tensor(tuple(scalars)), spec)
     if key is None:
         key = ("adamw_step", compiled._signature(args))

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from macroarch._weak import WeakById
 from macroarch.mvas import codegen, compiled, guard, kernels, plan_from_rules
 from macroarch.mvas.formats import FORMATS, pack
 from macroarch.mvas.optim import MVASAdamW, _min_subnormal
@@ -376,7 +377,7 @@ def test_a_kept_direct_call_is_used_only_while_its_kernel_stays_verified(monkeyp
 
 
 def test_the_plans_map_is_weak_and_by_identity():
-    plans = kernels._WeakById()
+    plans = WeakById()
     a, b = torch.zeros(3), torch.zeros(3)  # equal values, distinct tensors
     plans[a] = "a"
     assert a in plans and b not in plans and plans.get(b) is None and plans[a] == "a" and list(plans) == [a]
