@@ -182,6 +182,17 @@ class _Inductor(torch._TorchCompileInductorWrapper):
         return compiled
 
 
+def without_grad(fn: Callable[..., Any], inputs: list[Any]) -> Any:
+    """``fn(*inputs)`` with grad mode off: ``torch.no_grad()`` without its context manager, whose ~1.4 us of Python
+    sit on the path of every compiled kernel call (each weight read, each step of a tensor)."""
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return fn(*inputs)
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
 class _Direct:
     """A compiled kernel called straight: the callable Inductor made for dynamo's graph, given the graph's inputs
     (tensors, and the row counts of the symbolic sizes) taken from the kernel's arguments, without dynamo's frame
@@ -197,29 +208,20 @@ class _Direct:
         self.fn, self.plan, self.returns = fn, plan, returns
 
     def __call__(self, args: tuple) -> Any:
-        leaves = _leaves(args)
-        inputs = [leaves[i] if dim is None else leaves[i].shape[dim] for i, dim in self.plan]
-        grad = torch.is_grad_enabled()  # no_grad without its context manager (``bind``)
-        torch._C._set_grad_enabled(False)
-        try:
-            outputs = self.fn(*inputs)
-        finally:
-            torch._C._set_grad_enabled(grad)
+        outputs = without_grad(self.fn, self.inputs(args))
         return outputs[0] if self.returns else None
+
+    def inputs(self, args: tuple) -> list[Any]:
+        """The graph's inputs taken from the kernel's arguments ``args``."""
+        leaves = _leaves(args)
+        return [leaves[i] if dim is None else leaves[i].shape[dim] for i, dim in self.plan]
 
     def bind(self, args: tuple) -> Callable[[], Any]:
         """The call on ``args``, its graph inputs gathered once (a caller that keeps it skips even that)."""
-        leaves = _leaves(args)
-        inputs = [leaves[i] if dim is None else leaves[i].shape[dim] for i, dim in self.plan]
-        fn, returns = self.fn, self.returns
+        fn, inputs, returns = self.fn, self.inputs(args), self.returns
 
         def call() -> Any:
-            grad = torch.is_grad_enabled()  # no_grad without its context manager: on the path of every weight read
-            torch._C._set_grad_enabled(False)
-            try:
-                outputs = fn(*inputs)
-            finally:
-                torch._C._set_grad_enabled(grad)
+            outputs = without_grad(fn, inputs)
             return outputs[0] if returns else None
 
         return call

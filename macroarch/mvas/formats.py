@@ -139,6 +139,11 @@ class PackedTensor:
                                        eager_fallback=False)
             if fused is not None:
                 return fused.view(self.shape)
+        return self._decoded(dtype)
+
+    def _decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        """``dequantize``'s eager path (in chunks of about ``CHUNK_NUMEL``), for a scaled format; also where the
+        caller already asked ``kernels.dequantize`` itself (``MVASWeight.dequantize``)."""
         chunk = self.chunk_numel()
         if chunk is None or self.numel <= chunk:
             return self.dequantize_range(0, self.numel).reshape(self.shape).to(dtype)

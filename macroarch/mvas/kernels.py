@@ -361,12 +361,7 @@ def prepared_step(weight: tuple, spec: StepSpec) -> Callable[..., None] | None:
         inputs = template.copy()
         for position, which in slots:
             inputs[position] = given[which]
-        grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            fn(*inputs)
-        finally:
-            torch._C._set_grad_enabled(grad)
+        compiled.without_grad(fn, inputs)
         stats["compiled_calls"] += 1
 
     call.rows, call.grad_dtype = rows, same[-1]  # type: ignore[attr-defined]

@@ -228,8 +228,8 @@ class MVASAdamW(torch.optim.Optimizer):
                 kernels.adamw_step(grad[start:stop], w, master, exp_avg, exp_avg_sq, torch.tensor([key, start]),
                                    scalars, spec, compile=self.compile)
             prepared = [kernels.prepared_step(chunk[2], spec) for chunk in chunks]
-            self._prepared[p] = (chunks, prepared) if all(prepared) and self._plans.get(p, (0, 0, 0))[2] is chunks \
-                else None
+            kept = p in self._plans and self._plans[p][2] is chunks  # not for fake tensors: planned every step
+            self._prepared[p] = (chunks, prepared) if kept and all(prepared) else None
         if isinstance(weight, MVASWeight):
             weight.mark_written()
 

@@ -184,8 +184,7 @@ class MVASWeight(torch.Tensor):
             shape = self._packed_shape  # what packed() has (self.shape and numel() would go through torch function)
             dense = kernels.dequantize(self.payload, self.scales, self.format, self.block_size, math.prod(shape),
                                        dtype, eager_fallback=False)
-            if dense is not None:
-                return dense.view(shape)
+            return dense.view(shape) if dense is not None else self.packed()._decoded(dtype)
         dense = self.packed().dequantize(dtype)
         for func, args, kwargs, index in self._views:
             dense = func(dense, *args, **kwargs)
