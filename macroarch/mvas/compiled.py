@@ -269,12 +269,19 @@ class _Direct:
         return _Direct(fn, plan, result is not None)
 
 
+_PRIMS = False  # Inductor's prims are registered (torch._inductor.inductor_prims, 1.3 s to import: not at start-up)
+
+
 def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
     """Call the compiled kernel ``name``; ``mark``: mark the row dimensions dynamic (needed until the kernel of this
     signature has compiled: after that its graph's row count is symbolic and any tensor passes its guards), and
     run under the dynamo config patch. The dequantisation's graph has no ``.item()``, so once its signature has
     compiled it runs without the patch (entering it is a fifth of a small kernel's call: 27 of 165 us measured)."""
+    global _PRIMS
     if name not in _COMPILED:
+        from torch._inductor import inductor_prims  # noqa: F401  (registers the prim of kernels._stored_once)
+
+        _PRIMS = True
         _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,
                                         backend=_Inductor(None, codegen.options(), False))
     if mark:
