@@ -56,7 +56,7 @@ def test_the_options_key_the_cache_by_the_fix_and_the_vector_width_and_follow_th
     assert "#pragma omp parallel" in code and "num_threads(1)" not in code
 
 
-def _codes(x):  # fp4-like codes: int32 lanes narrowed to bytes, and pairs of bytes packed through int16
+def _codes(x):  # fp4-like codes: int32 lanes narrowed to bytes, and pairs of bytes packed through int16 (two loops)
     codes = ((x.view(torch.int32) >> 20) & 0x8F).to(torch.uint8)
     pairs = codes.view(torch.int16)
     return codes, ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
@@ -78,6 +78,9 @@ def test_narrowing_to_bytes_is_vector_code_with_the_same_bytes():
         assert "_mm_packus_epi32(" in code and "_mm_packus_epi16(" in code
     assert "at::vec::convert<uint8_t>(" in plain  # torch 2.14 without the fix: ATen's generic, scalar conversion
     assert "at::vec::convert<uint8_t>(" not in code
+    # the packing loop reads int16 pairs: a loop of vectors inside the context, a lane at a time without it
+    assert "at::vec::Vectorized<int16_t>::loadu(" in code and "Vectorized<int16_t>" not in plain
+    assert torch.int16 not in torch._inductor.codegen.cpp.VECTORIZABLE_DTYPES  # undone after the context
     assert vars(CppVecKernel)["get_to_dtype_expr"] is original
     expected = _codes(x)
     for got in (out, plain_out):
