@@ -89,7 +89,7 @@ import torch
 from macroarch._autograd import at_backward_end, backward_pass_id
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
-from macroarch.optim.functional import all_finite, local
+from macroarch.optim.functional import all_finite, finite_checked, local
 
 MODES = ("sync", "interleaved")
 CLIP_MODES = ("per_group",)
@@ -415,10 +415,12 @@ class DGROptimizer(torch.optim.Optimizer):
             self._finish(index, params)
             return
         max_norm = self.param_groups[index]["max_grad_norm"]
+        checked = fresh  # finite: the inner optimizer need not sum them again (finite_checked)
         if any(g is not None for g in fresh) and (max_norm is not None or self.track_grad_norm):
             unscale = getattr(inner, "unscale_", None)
             if unscale is not None:
                 unscale()  # the true gradient is clipped and measured, not the loss-scaled one
+                checked = []  # a division by the loss scale: the inner optimizer checks what it reads
             present = [p for p in params if p.grad is not None]
             if max_norm is not None:
                 self._norm_sq += float(torch.nn.utils.clip_grad_norm_(present, max_norm)) ** 2
@@ -443,7 +445,8 @@ class DGROptimizer(torch.optim.Optimizer):
                                                                                         w_then)
                         for p, g in zip(params, grads):
                             p.grad = g
-                    inner.step()
+                    with finite_checked(checked):  # a delayed step reads other tensors, which are checked then
+                        inner.step()
             except Exception as exc:
                 if saved is not None:
                     self._rollback.append((index, saved))

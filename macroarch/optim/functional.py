@@ -28,13 +28,16 @@ torch's, 16-bit storage between ops).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["AdamWScalars", "Agreement", "adamw_scalars", "adamw_step_", "adamw_update_", "agree", "all_finite",
+           "finite_checked",
            "check_hyperparameters", "device_meshes", "local", "locally_finite", "owned_params"]
 
 
@@ -223,8 +226,31 @@ def locally_finite(tensors: Sequence[torch.Tensor]) -> bool:
     0.34). This rank's tensors only."""
     if any(t.device.type == "meta" or type(t).__name__ == "FakeTensor" for t in tensors):
         return True  # fake tensors (full-size memory measurements) have no values to check
+    checked = _CHECKED.get()
+    if checked is not None and all(id(t) in checked for t in tensors):
+        return True  # checked by the caller a moment ago (finite_checked)
     sums = [t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum() for t in tensors]
     return not sums or bool(torch.stack(sums).isfinite().all())
+
+
+_CHECKED: contextvars.ContextVar[frozenset[int] | None] = contextvars.ContextVar("finite_checked", default=None)
+
+
+@contextlib.contextmanager
+def finite_checked(tensors: Iterable[torch.Tensor | None]) -> Iterator[None]:
+    """Within it, ``locally_finite`` (and so ``all_finite``) of these very tensors (their local shards, by identity;
+    None skipped) is True without summing them: for a caller that has just checked them and then runs an optimizer
+    that checks them again. DGR checks a group's gradients before it clips and steps them, and ``MVASAdamW`` or
+    ``CompensatedAdamW`` would sum the same tensors once more (measured: 2.4 ms of a 184 ms step, 3.25M parameters
+    at 1024 tokens, one core). An in-place change keeps the identity: pass only tensors that stay finite until the
+    optimizer reads them (clipping does; DGR leaves out gradients it unscaled). The agreement across ranks
+    (``agree``) still runs: every rank takes the same path."""
+    held = [local(t) for t in tensors if t is not None]  # alive while the ids are looked up
+    token = _CHECKED.set(frozenset(map(id, held)))
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None], over: Iterable[torch.Tensor | None] = ()) -> bool:

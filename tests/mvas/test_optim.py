@@ -174,6 +174,37 @@ def test_dgr_sync_with_mvas_is_the_same_training():
     assert managed > 2
 
 
+@pytest.mark.parametrize("inner", ["mvas", "compensated"])
+def test_under_dgr_the_group_optimizer_does_not_sum_the_gradients_dgr_just_checked(inner, monkeypatch):
+    """DGR checks each group's gradients (one sum each) before it steps the group's optimizer, which checked them
+    again (optim.functional.finite_checked); a non-finite gradient still skips the whole step."""
+    from macroarch.optim import CompensatedAdamW
+
+    net, loss_fn = ZOO["llama"]()
+    if inner == "mvas":
+        apply(net, plan_from_rules(net, [("*", "fp8")], block_size=16, min_numel=256))
+    wrapper = DGRWrapper(net, group_size=1, loss_fn=loss_fn)
+    opt = wrapper.optimizer(MVASAdamW if inner == "mvas" else CompensatedAdamW, lr=1e-3)
+    n_grads = sum(p.requires_grad for p in net.parameters())
+    loss = loss_fn(wrapper)
+    summed, original = [], torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: summed.append(t.shape) or original(t, *a, **k))
+    loss.backward()  # the groups step in here (backward runs hooks in its own thread: no dispatch mode sees them)
+    monkeypatch.undo()
+    assert len(summed) == n_grads  # was twice as many
+    opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in net.parameters()]
+    victim = next(p for p in net.parameters() if not isinstance(p, MVASWeight))
+    victim.register_hook(lambda g: torch.full_like(g, float("inf")))
+    loss_fn(wrapper).backward()
+    assert opt.skipped_nonfinite == 1
+    for p, b in zip(net.parameters(), before):
+        same = torch.equal(p.payload.view(torch.uint8), b.payload.view(torch.uint8)) if isinstance(p, MVASWeight) \
+            else torch.equal(p, b)
+        assert same
+
+
 def test_lr_schedulers_drive_it():
     net = nn.Linear(8, 8)
     opt = MVASAdamW(net.parameters(), lr=1.0)

@@ -187,3 +187,21 @@ def test_locally_finite_finds_any_inf_or_nan_and_no_overflow_of_finite_16_bit_va
             t = torch.randn(1000).to(dtype)
             t[where] = bad
             assert not locally_finite([torch.ones(3, dtype=dtype), t]), (bad, where)
+
+
+def test_finite_checked_answers_for_exactly_the_tensors_it_was_given_and_only_inside():
+    from macroarch.optim.functional import all_finite, finite_checked, locally_finite
+
+    bad = torch.tensor([1.0, float("inf")])  # an inf the caller claims to have checked: the context is a promise
+    other = torch.tensor([float("nan")])
+    with finite_checked([bad, None]):
+        assert locally_finite([bad]) and all_finite([bad, None])
+        assert not locally_finite([bad, other])  # a tensor it was not given: summed as always
+        assert not locally_finite([bad.clone()])  # the same values, another tensor
+        with finite_checked([]):
+            assert not locally_finite([bad])  # the innermost context counts
+        assert locally_finite([bad])
+    assert not locally_finite([bad])
+    with pytest.raises(RuntimeError, match="inside"), finite_checked([bad]):
+        raise RuntimeError("inside")
+    assert not locally_finite([bad])
