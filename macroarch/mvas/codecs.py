@@ -326,19 +326,37 @@ def _decode_e2m1_arithmetic(payload: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``decode`` of fp4 rows (bytes) with an even ``block_size``, compiled: each nibble of a byte is scaled and cast
-    on its own and the two are interleaved last, so Inductor writes the result in one pass of vector code (the
-    values interleaved first were written to an int32 buffer a lane at a time, then read again: 187 -> 89 us for
-    172K elements to bf16, one core). The same values as ``decode``'s other path: the scaling is one rounding."""
+    """``decode`` of fp4 rows (bytes) with an even ``block_size``, compiled: each nibble of a byte is scaled on its
+    own and the two are interleaved last, so Inductor writes the result in one pass of vector code (the values
+    interleaved first were written to an int32 buffer a lane at a time, then read again: 187 -> 89 us for 172K
+    elements to bf16, one core). Interleaved by ``torch.stack``, Inductor still writes each value on its own (a
+    vector stored to an array, then sixteen scalar stores two apart); a float32 or bf16 result is written as one
+    integer lane per pair instead: int64 lanes of two float32 bit patterns, int32 lanes of two bf16 ones (measured,
+    172K elements to bf16, one core: 112 -> 72 us, now faster than fp8's 80).
+    The same values as ``decode``'s other path: the scaling is one rounding, the cast to bf16 the same rounding."""
     codes = payload.to(torch.int32)
     lead = payload.shape[:-1]
     per_block = scales.view(*lead, -1)[..., None]  # (..., n_blocks, 1): both nibbles of a byte share a block
 
     def half(nibbles: torch.Tensor) -> torch.Tensor:
         values = _e2m1_values(nibbles).view(*lead, -1, block_size // 2) * per_block
-        return values.view(nibbles.shape).to(dtype)
+        return values.view(nibbles.shape)
 
-    return torch.stack([half(codes & 0xF), half(codes >> 4)], dim=-1).view(*lead, -1)
+    low, high = half(codes & 0xF), half(codes >> 4)
+    if dtype == torch.float32:  # each pair as one int64 lane, low value first (little-endian)
+        pairs = (low.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (high.view(torch.int32).to(torch.int64) << 32)
+        return pairs.view(torch.float32).view(*lead, -1)
+    if dtype == torch.bfloat16:  # each pair of bf16 bit patterns as one int32 lane
+        pairs = (_bf16_bits(low) & 0xFFFF) | (_bf16_bits(high) << 16)
+        return pairs.view(torch.bfloat16).view(*lead, -1)
+    return torch.stack([low.to(dtype), high.to(dtype)], dim=-1).view(*lead, -1)
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """The bf16 bit pattern of finite float32 ``x`` (int32, in the low 16 bits; the high ones are the sign's copies):
+    torch's cast, round to nearest even on the float32 bits (a carry into the exponent is the next binade, or inf)."""
+    bits = x.view(torch.int32)
+    return (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
 
 
 def _e2m1_values(code: torch.Tensor) -> torch.Tensor:

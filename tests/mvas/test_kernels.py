@@ -123,15 +123,21 @@ def test_the_guard_accepts_first_steps_from_zero_moments_with_bf16_gradients(mon
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt, dtype", [("fp8_e4m3", torch.float32), ("fp4_e2m1", torch.bfloat16)])
+@pytest.mark.parametrize("fmt, dtype", [("fp8_e4m3", torch.float32), ("fp4_e2m1", torch.bfloat16),
+                                        ("fp4_e2m1", torch.float32), ("fp4_e2m1", torch.float16)])
 def test_compiled_dequantize_is_bitwise_eager(fmt, dtype, monkeypatch):
-    """Bit for bit (signed zeros included), fp4 with every byte at every position of a block."""
+    """Bit for bit (signed zeros included), fp4 with every byte at every position of a block, and scales whose
+    products round to even, overflow bf16 or fp16, or are subnormal (fp4 pairs are written as one integer lane, the
+    bf16 rounding done on the bits: codecs._decode_e2m1_rows)."""
     monkeypatch.setattr(compiled, "_GUARD", False)
     kernels.reset_compile_stats()
     for n in (512, 4096 + 1024):  # two sizes, one kernel
         p = pack(torch.randn(n), fmt, 32)
         if fmt == "fp4_e2m1":
             p.payload.copy_(torch.arange(n // 2, dtype=torch.int32).mul(17).remainder(256).to(torch.uint8))
+            edge = torch.tensor([0x3F808000, 0x3F818000, 0x7E2A8F5C, 0x00012345, 0x477FE000, 0x0],
+                                dtype=torch.int32).view(torch.float32)  # ties, 5.66e37 (x6: bf16 inf), subnormal
+            p.scales[:len(edge)] = edge
         fused = kernels.dequantize(p.payload, p.scales, fmt, 32, n, dtype, compile=True)
         eager = kernels.dequantize(p.payload, p.scales, fmt, 32, n, dtype, compile=False)
         bits = torch.int16 if dtype.itemsize == 2 else torch.int32
