@@ -36,6 +36,8 @@ saturating packs, of values masked to 0..255 (so exact).
 ``VECTORIZABLE_DTYPES``, which lacks int16 (ATen's vector library has ``Vectorized<int16_t>`` with the bitwise ops
 and shifts the kernels use). The fp4 packing reads two codes as one int16 (``codecs._pack_nibbles``), so it ran a
 lane at a time, about 8% of the step with fp4 weights in ``perf``; inside this context int16 is vectorisable too.
+Only as a source: Inductor's vector ``to_dtype`` has no int16 target (it raises while generating the code, and
+``compiled`` then runs the eager path), so no kernel converts to int16; views and bitwise ops are what they use.
 
 The fix changes generated code that Inductor's cache key does not see, so the kernels compile with a graph pass that
 does nothing and whose ``uuid`` names the fix (``post_grad_custom_post_pass``: Inductor's documented way to put a

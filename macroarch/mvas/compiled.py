@@ -46,7 +46,8 @@ step apart, ``guard.CODE_FLIPS``). On a mismatch it warns once, naming the kerne
 that kernel runs eagerly for the rest of the process.
 Cost, once per kernel: an eager run, copies and a comparison (measured at 2^20 elements, one loaded core: 0.18 s
 for an fp8 step, against 7 ms compiled; 9 ms for an fp8 dequantisation); ``compile_stats()`` reports
-``checks``, ``check_seconds`` and ``mismatches``.
+``checks``, ``check_seconds`` and ``mismatches``. A kernel that cannot compile at all (no working C++ compiler, which
+torch.compile needs on CPU; an Inductor error) warns once and runs eagerly, the same values: ``compile_failures``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ import torch
 
 from macroarch.mvas import codegen
 from macroarch.mvas.codegen import vec_isa
-from macroarch.mvas.guard import _bitwise_difference, _step_difference
+from macroarch.mvas.guard import CompileFailed, _bitwise_difference, _step_difference, failure
 
 __all__ = ["ENV", "compile_enabled", "compile_stats", "register", "reset_compile_stats",
            "run", "vec_isa"]
@@ -72,7 +73,8 @@ ENV = "MACROARCH_COMPILE"
 """Set to ``0`` (or ``false``) to run every kernel eagerly."""
 _RECOMPILE_LIMIT = 64  # storage combinations a process may compile (torch's default of 8 is per function)
 _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
-          "check_seconds": 0.0, "mismatches": 0}
+          "check_seconds": 0.0, "mismatches": 0, "compile_failures": 0}
+_FAILED: dict[str, str] = {}  # kernel name -> why it could not be compiled in this process (``_compile_failed``)
 _GUARD = True  # check the first compiled call of each kernel against the eager path (``_check``)
 # kernel (name, ``_signature``) -> how it runs after its first compiled call was checked: a ``_Direct`` (compiled,
 # called straight), True (compiled, through dynamo: no direct call was captured), False (it differed: eager)
@@ -109,8 +111,6 @@ def compile_stats() -> dict[str, float]:
 def reset_compile_stats() -> None:
     for key in _STATS:
         _STATS[key] = 0.0 if key.endswith("_seconds") else 0
-
-
 
 
 def register(name: str, source: Callable[..., Any]) -> None:
@@ -279,11 +279,14 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
     compiled it runs without the patch (entering it is a fifth of a small kernel's call: 27 of 165 us measured)."""
     global _PRIMS
     if name not in _COMPILED:
-        from torch._inductor import inductor_prims  # noqa: F401  (registers the prim of kernels._stored_once)
+        try:
+            from torch._inductor import inductor_prims  # noqa: F401  (registers the prim of kernels._stored_once)
 
-        _PRIMS = True
-        _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,
-                                        backend=_Inductor(None, codegen.options(), False))
+            _PRIMS = True  # codegen.options() picks the vector ISA: it compiles a test program
+            _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,
+                                            backend=_Inductor(None, codegen.options(), False))
+        except Exception as exc:  # noqa: BLE001  (no working C++ compiler, say: run answers eagerly)
+            raise CompileFailed() from exc
     if mark:
         for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
             if isinstance(t, torch.Tensor) and t.dim() == 2:  # size); formats, blocks and row lengths are static
@@ -301,6 +304,10 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
         with _dynamo_patch() if mark or name != "dequantize" else contextlib.nullcontext(), torch.no_grad(), \
                 torch._C._AutoDispatchBelowADInplaceOrView(), torch._C.DisableTorchFunctionSubclass():
             result = _COMPILED[name](*args)
+    except Exception as exc:  # noqa: BLE001  (whatever compiling raised: run answers eagerly, _compile_failed)
+        if not mark:  # a kernel already checked: not a compilation
+            raise
+        raise CompileFailed() from exc
     finally:
         _PENDING.pop()
     if graphs["unique_graphs"] != before:
@@ -329,12 +336,26 @@ def run(name: str, rows: int | None, args: tuple, eager_args: tuple | None = Non
     if verdict:  # a _Direct
         _STATS["compiled_calls"] += 1
         return verdict(args)
-    if verdict is False:  # this kernel differed from the eager path in this process: eager from then on
+    if verdict is False or name in _FAILED:  # it differed from the eager path, or could not compile: eager from then on
         _STATS["eager_calls"] += 1
         return source(*eager_args)
-    if _GUARD:
-        return _check(name, key, args, eager_args, None if written is None else written(args))
-    return _compiled(name, args)
+    try:
+        if _GUARD:
+            return _check(name, key, args, eager_args, None if written is None else written(args))
+        return _compiled(name, args)
+    except CompileFailed as failed:  # raised before anything was written: the caller's tensors are as they were
+        return _compile_failed(name, failed.__cause__, source, eager_args)
+
+
+def _compile_failed(name: str, error: BaseException | None, source: Callable[..., Any], eager_args: tuple) -> Any:
+    """Kernel ``name`` could not be compiled (module docstring): warn once, run it and its later calls eagerly."""
+    _FAILED[name] = failure(error)
+    _STATS["compile_failures"] += 1
+    _STATS["eager_calls"] += 1
+    warnings.warn(f"macroarch.mvas.kernels: the {name} kernel could not be compiled ({_FAILED[name]}); this process "
+                  f"runs it eagerly from now on (the same values, slower). torch.compile needs a C++ compiler on CPU "
+                  f"(torch._inductor.config.cpp.cxx); {ENV}=0 skips compiling.", RuntimeWarning, stacklevel=4)
+    return source(*eager_args)
 
 
 def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[tuple[Any, str]] | None) -> Any:

@@ -1,5 +1,6 @@
 """How the first compiled call of an MVAS kernel is compared with the eager path (``macroarch.mvas.compiled``'s
-guard): the dequantisation bitwise, the step within the bounds of ``macroarch.mvas.kernels``' Equality section."""
+guard): the dequantisation bitwise, the step within the bounds of ``macroarch.mvas.kernels``' Equality section; and
+what a kernel that cannot compile reports (``CompileFailed``, ``failure``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from macroarch.mvas.codecs import _FP8_DTYPES, _e2m1_byte_table, get_format
 
-__all__ = ["CODE_FLIPS"]
+__all__ = ["CODE_FLIPS", "CompileFailed", "failure"]
 
 # Codes a compiled step may write one grid step away from the eager step's, as a fraction of the codes: an ulp of the
 # reordered fp32 update flips a value that sits on a rounding midpoint. A first step from zero moments with bf16
@@ -16,6 +17,18 @@ __all__ = ["CODE_FLIPS"]
 # quarter of the draws and sent the kernel to the eager path for the process (4x slower). A miscompile, or a wrong
 # rounding or noise, moves codes by more than a grid step or flips about half of them.
 CODE_FLIPS = 0.02
+
+
+class CompileFailed(Exception):
+    """Compiling a kernel, or its first compiled call, raised (its ``__cause__``): before anything was written."""
+
+
+def failure(error: BaseException | None) -> str:
+    """``"Type: first line"`` of what compiling raised, dynamo's ``BackendCompilerFailed`` unwrapped to its cause."""
+    while getattr(error, "inner_exception", None) is not None:
+        error = error.inner_exception
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _bitwise_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:

@@ -236,6 +236,44 @@ def _bad_compiled(calls):
     return bad
 
 
+def test_a_kernel_that_cannot_compile_warns_once_and_runs_eagerly_with_the_same_values(monkeypatch):
+    """No working C++ compiler (torch.compile on CPU needs one), or Inductor raising: the user's step and forward
+    still run, eagerly, with the eager (reference) values, and nothing half-written."""
+    def no_compiler():
+        raise RuntimeError("No working C++ compiler found (a stand-in)")
+
+    for name, value in (("_VERIFIED", {}), ("_COMPILED", {}), ("_FAILED", {})):
+        monkeypatch.setattr(compiled, name, value)
+    monkeypatch.setattr(codegen, "options", no_compiler)
+    kernels.reset_compile_stats()
+    p = pack(torch.randn(512), "fp8_e4m3", 32)
+    with pytest.warns(RuntimeWarning, match=r"dequantize kernel could not be compiled \(RuntimeError: No working C"):
+        out = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, 512, torch.float32, compile=True)
+    assert torch.equal(out, p.dequantize_range(0, 512))
+    n = 4096
+    (w, m, v), grad = _storage(n, 5)
+    twin = copy.deepcopy((w, m, v))
+    scalars = adamw_scalars(5.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
+    counter = torch.tensor([kernels.stream_key(0, 0, 5), 0])
+    def failing_backend(gm, example_inputs, **kwargs):
+        raise RuntimeError("Inductor failed (a stand-in)")
+
+    monkeypatch.setattr(codegen, "options", lambda: {})  # options now, but the compilation in the call raises
+    monkeypatch.setattr(compiled, "_Inductor", lambda *args: failing_backend)
+    with pytest.warns(RuntimeWarning, match=r"adamw_step kernel could not be compiled \(\w+: .*Inductor failed"):
+        kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
+    kernels.adamw_step(grad, tuple(twin[0]), None, tuple(twin[1]), tuple(twin[2]), counter, scalars, SPEC,
+                       compile=False)
+    for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):  # the eager step, once
+        assert torch.equal(payload.view(torch.uint8), payload_e.view(torch.uint8)) and torch.equal(scales, scales_e)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per kernel: eager from then on, silently
+        kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, 512, torch.float32, compile=True)
+        kernels.adamw_step(grad, tuple(w), None, tuple(m), tuple(v), counter, scalars, SPEC, compile=True)
+    stats = kernels.compile_stats()
+    assert stats["compile_failures"] == 2 and stats["compiled_calls"] == 0 and stats["eager_calls"] == 5
+
+
 def test_a_compiled_kernel_that_differs_from_eager_warns_once_and_the_eager_result_is_used(monkeypatch):
     calls = []
     monkeypatch.setattr(compiled, "_VERIFIED", {})
