@@ -178,6 +178,7 @@ class MVASAdamW(torch.optim.Optimizer):
                                 "master" in state, state_fmt.name, state_block,
                                 _min_subnormal(state_fmt.name) if state_block is not None else 0.0)
 
+    @torch.compiler.disable  # traced by the user's torch.compile it fails (views of packed state); runs as it is
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None

@@ -55,3 +55,29 @@ def test_compiled_mvas_model_one_graph_same_loss_and_about_the_plain_time():
     assert abs(managed[0] - eager) < 1e-5  # the compiled loss is the eager one (fp4 and fp8 decoded in the graph)
     assert managed_time < 3 * plain_time, f"two compiled steps: {managed_time:.1f} s vs plain {plain_time:.1f} s"
     assert managed[0] - managed[-1] > 0.7 * (plain[0] - plain[-1]) > 0
+
+
+def test_a_compiled_training_step_that_calls_mvas_adamw_step_runs_it_as_it_is():
+    """``torch.compile`` of a function that calls ``opt.step()`` (torch.optim's own optimizers support it): dynamo
+    used to fail inside MVASAdamW's step (an InternalTorchDynamoError on views of the packed state); the step is
+    excluded from tracing (``torch.compiler.disable``) and runs as it does uncompiled, with the same weights."""
+    results = []
+    for compile_step in (False, True):
+        torch._dynamo.reset()
+        model, opt = _model(True)
+
+        def train_step(model=model, opt=opt):
+            loss = model(input_ids=IDS, labels=IDS).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        step = torch.compile(train_step, backend="aot_eager") if compile_step else train_step
+        losses = [float(step()) for _ in range(2)]
+        weights = [p.detach().clone() if not isinstance(p, mvas.MVASWeight) else p.payload.clone()
+                   for p in model.parameters()]
+        results.append((losses, weights))
+    (plain_losses, plain_weights), (losses, weights) = results
+    assert losses == plain_losses
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(plain_weights, weights))
