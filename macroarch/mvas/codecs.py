@@ -122,6 +122,13 @@ def _stochastic_magnitude(a: torch.Tensor, mantissa_bits: int, min_exponent: int
     return torch.where(a < 2.0 ** min_exponent, small, q)
 
 
+def _round_half_even(bits: torch.Tensor, shift: int) -> torch.Tensor:
+    """Float32 bit patterns (int32, finite, >= 0 but for ``_bf16_bits``' sign) rounded to nearest, ties to even, at
+    ``shift`` dropped mantissa bits: add half a step less one plus the kept lowest bit, clear the dropped bits (a carry
+    into the exponent is the next binade)."""
+    return (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) & ~((1 << shift) - 1)
+
+
 def _round_elementwise(y: torch.Tensor, fmt: Format, noise: torch.Tensor | None) -> torch.Tensor:
     """``y`` (float32) rounded to ``fmt.storage_dtype``: torch's cast (``noise`` None), or stochastic between
     the neighbours (``_stochastic_magnitude``, then torch's cast of a value it represents exactly)."""
@@ -168,7 +175,7 @@ def _fp8_codes(y: torch.Tensor, fmt: Format, noise: torch.Tensor | None) -> torc
     a = y.abs()
     if noise is None:
         bits = a.view(torch.int32)
-        q = ((bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) & ~((1 << shift) - 1)).view(torch.float32)
+        q = _round_half_even(bits, shift).view(torch.float32)
         q = torch.where(a < 2.0 ** (1 - bias), torch.round(a * (1.0 / spacing)) * spacing, q)
     else:
         q = _stochastic_magnitude(a, m, 1 - bias, noise)
@@ -204,8 +211,7 @@ def _round_e2m1(y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     a = y.abs()
     if noise is None:
         bits = a.view(torch.int32)
-        # round half to even at 1 mantissa bit: add 0x1FFFFF plus the kept lowest bit, clear the 22 low bits
-        q = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) & ~0x3FFFFF).view(torch.float32)
+        q = _round_half_even(bits, 22).view(torch.float32)  # 1 mantissa bit
         q = torch.where(a < 1.0, torch.round(a * 2.0) * 0.5, q)  # spacing 0.5 below 1; torch.round: half to even
     else:
         q = _stochastic_magnitude(a, 1, 0, noise)
@@ -355,8 +361,7 @@ def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: i
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     """The bf16 bit pattern of finite float32 ``x`` (int32, in the low 16 bits; the high ones are the sign's copies):
     torch's cast, round to nearest even on the float32 bits (a carry into the exponent is the next binade, or inf)."""
-    bits = x.view(torch.int32)
-    return (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return _round_half_even(x.view(torch.int32), 16) >> 16
 
 
 def _e2m1_values(code: torch.Tensor) -> torch.Tensor:

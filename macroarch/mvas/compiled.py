@@ -282,10 +282,10 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
         try:
             from torch._inductor import inductor_prims  # noqa: F401  (registers the prim of kernels._stored_once)
 
-            _PRIMS = True  # codegen.options() picks the vector ISA: it compiles a test program
+            _PRIMS = True
             _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,
                                             backend=_Inductor(None, codegen.options(), False))
-        except Exception as exc:  # noqa: BLE001  (no working C++ compiler, say: run answers eagerly)
+        except Exception as exc:  # noqa: BLE001  (options() compiles a test program: no C++ compiler, say)
             raise CompileFailed() from exc
     if mark:
         for t in torch.utils._pytree.tree_leaves(args[:-1]):  # the number of rows is symbolic (one kernel for every
