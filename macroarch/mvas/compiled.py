@@ -61,6 +61,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
 
 from macroarch.mvas import codegen
 from macroarch.mvas.codegen import vec_isa
@@ -182,6 +183,35 @@ class _Inductor(torch._TorchCompileInductorWrapper):
         return compiled
 
 
+def _inductor_call(fn: Callable[..., Any]) -> tuple[Callable[[list], Any], tuple[int, ...]] | None:
+    """Inductor's own callable inside ``fn`` (what the backend returned for dynamo's graph: dynamo's disable wrapper
+    around AOTAutograd's runtime wrapper around a ``CompiledFxGraph``) and the indices of the inputs it writes, where
+    the wrappers do no more than ``_Direct.invoke`` does in their place: switch grad mode off, leave dynamo's frame
+    evaluation, bump the version counters of the inputs written in place (and mark the output's dynamic dimensions
+    for a dynamo trace, which a direct call never feeds). Anything else in AOTAutograd's generated wrapper
+    (mutations applied after the call, outputs that alias inputs, autocast off, ...) or an input Inductor checks for
+    alignment: None (the call keeps the wrappers). Read from the wrappers' closures (torch 2.14's layout; another
+    layout finds nothing and answers None)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    orchestration = None
+    inner = fn
+    while hasattr(inner, "__wrapped__"):
+        cells = getattr(inner, "__closure__", None) or ()
+        names = getattr(getattr(inner, "__code__", None), "co_freevars", ())
+        for name, cell in zip(names, cells):
+            if name == "_codegen_runtime_wrapper":
+                orchestration = cell.cell_contents
+        inner = inner.__wrapped__
+    if not isinstance(inner, CompiledFxGraph) or orchestration is None or inner.inputs_to_check \
+            or not getattr(inner, "_boxed_call", False) or inner.current_callable is None:
+        return None
+    used = {name for name in orchestration.__globals__ if not name.startswith("__")}
+    if used - {"torch", "_mark_dynamic_", "_increment_version_"} - {n for n in used if n.startswith("_dyn_dims_")}:
+        return None
+    return inner.current_callable, tuple(inner.mutated_input_idxs)
+
+
 def without_grad(fn: Callable[..., Any], inputs: list[Any]) -> Any:
     """``fn(*inputs)`` with grad mode off: ``torch.no_grad()`` without its context manager, whose ~1.4 us of Python
     sit on the path of every compiled kernel call (each weight read, each step of a tensor)."""
@@ -202,13 +232,34 @@ class _Direct:
     or the first (row) dimension of a 2-D one, and the rows are symbolic: any tensor of that signature then
     satisfies the graph's guards (dtypes, devices and row lengths are the signature, contiguity ``_eligible``)."""
 
-    __slots__ = ("fn", "plan", "returns")
+    __slots__ = ("fn", "plan", "returns", "inner", "written")
 
     def __init__(self, fn: Callable[..., Any], plan: list[tuple[int, int | None]], returns: bool) -> None:
         self.fn, self.plan, self.returns = fn, plan, returns
+        found = _inductor_call(fn)
+        self.inner, self.written = found if found is not None else (None, ())
 
     def __call__(self, args: tuple) -> Any:
-        outputs = without_grad(self.fn, self.inputs(args))
+        return self.invoke(self.inputs(args))
+
+    def invoke(self, inputs: list[Any]) -> Any:
+        """The kernel on its graph inputs ``inputs`` (left as they are): straight into Inductor's callable where
+        ``_inductor_call`` found it (each wrapper layer costs 5 us a call in a tight loop, 15-30 us between a model's
+        matmuls), else through the wrappers."""
+        if self.inner is None:
+            outputs = without_grad(self.fn, inputs)
+        else:
+            prior = _set_eval_frame(None)  # what dynamo's disable wrapper does: no frame below is traced
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
+                outputs = self.inner(list(inputs))  # Inductor's call empties the list it is given
+            finally:
+                torch._C._set_grad_enabled(grad)
+                if prior is not None:
+                    _set_eval_frame(prior)
+            if self.written:  # as AOTAutograd's wrapper does: autograd sees the in-place writes
+                torch.autograd.graph.increment_version([inputs[i] for i in self.written])
         return outputs[0] if self.returns else None
 
     def inputs(self, args: tuple) -> list[Any]:
@@ -218,13 +269,8 @@ class _Direct:
 
     def bind(self, args: tuple) -> Callable[[], Any]:
         """The call on ``args``, its graph inputs gathered once (a caller that keeps it skips even that)."""
-        fn, inputs, returns = self.fn, self.inputs(args), self.returns
-
-        def call() -> Any:
-            outputs = without_grad(fn, inputs)
-            return outputs[0] if returns else None
-
-        return call
+        invoke, inputs = self.invoke, self.inputs(args)
+        return lambda: invoke(inputs)
 
     @staticmethod
     def build(key: tuple, args: tuple, result: Any) -> _Direct | None:

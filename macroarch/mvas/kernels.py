@@ -368,13 +368,13 @@ def prepared_step(weight: tuple, spec: StepSpec) -> Callable[..., None] | None:
             slots.append((position, moving.index(index)))
         else:
             template.append(leaves[index])
-    fn, stats = verdict.fn, compiled._STATS
+    invoke, stats = verdict.invoke, compiled._STATS
 
     def call(*given: torch.Tensor) -> None:
         inputs = template.copy()
         for position, which in slots:
             inputs[position] = given[which]
-        compiled.without_grad(fn, inputs)
+        invoke(inputs)
         stats["compiled_calls"] += 1
 
     call.rows, call.grad_dtype = rows, same[-1]  # type: ignore[attr-defined]

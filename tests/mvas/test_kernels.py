@@ -192,6 +192,8 @@ def test_after_its_check_a_kernel_is_called_directly_and_matches_eager_at_every_
         _step_compiled_and_eager(step, n)
     kinds = {key[0]: type(verdict) for key, verdict in compiled._VERIFIED.items()}
     assert kinds == {"dequantize": compiled._Direct, "adamw_step": compiled._Direct}
+    # straight into Inductor's callable, below dynamo's and AOTAutograd's wrappers
+    assert all(verdict.inner is not None for verdict in compiled._VERIFIED.values())
     stats = kernels.compile_stats()
     assert stats["compiles"] == 2 and stats["checks"] == 2 and stats["compiled_calls"] == 6
 
@@ -222,6 +224,40 @@ def test_no_direct_call_is_built_for_a_graph_compiled_for_one_size():
     assert direct is None  # static rows: refused
     direct, args, p = compile_and_build(64, dynamic=True)  # the same graph with symbolic rows: built, and right
     assert isinstance(direct, compiled._Direct) and torch.equal(direct(args).view(-1), p.dequantize_range(0, 2048))
+
+
+def test_a_direct_call_skips_the_wrappers_only_where_they_do_nothing_it_does_not():
+    """``_inductor_call`` goes below AOTAutograd's runtime wrapper only where that wrapper switches grad off, bumps
+    versions and marks dynamic dimensions; a graph whose output aliases its input (the wrapper rebuilds the view)
+    keeps the wrappers, and so does a callable that is no compiled graph at all."""
+    captured = []
+
+    def backend(gm, example_inputs):
+        fn = compiled._Inductor(None, codegen.options(), False)(gm, example_inputs)
+        captured.append(fn)
+        return fn
+
+    def double(t):
+        t.mul_(2)
+
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        torch.compile(lambda t: t * 2 + 1, backend=backend, fullgraph=True)(x)
+        torch.compile(double, backend=backend, fullgraph=True)(x.clone())
+        torch.compile(lambda t: (t.view(-1), t * 2), backend=backend, fullgraph=True)(x)
+    plain, in_place, aliasing = captured
+    found = compiled._inductor_call(plain)
+    assert found is not None and found[1] == ()
+    assert torch.equal(found[0]([x])[0], x * 2 + 1)
+    # a write in place: done by Inductor's code, and autograd's version counter moves as through the wrapper
+    direct = compiled._Direct(in_place, [(0, None)], returns=False)
+    assert direct.inner is not None and direct.written == (0,)
+    y = x.clone()
+    version = y._version
+    direct.invoke([y])
+    assert torch.equal(y, x * 2) and y._version > version
+    assert compiled._inductor_call(aliasing) is None
+    assert compiled._inductor_call(lambda inputs: inputs) is None
 
 
 def _bad_compiled(calls):
