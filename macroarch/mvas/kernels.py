@@ -132,13 +132,28 @@ def counter_noise(counter: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
 
 def stream_key(*parts: int) -> int:
     """A 32-bit stream key from integers (seed, tensor index, step): splitmix64 over them."""
+    return stream_key_from(stream_prefix(*parts[:-1]), parts[-1]) if parts else 0
+
+
+def stream_prefix(*parts: int) -> int:
+    """The splitmix64 state after ``parts``: ``stream_key_from(stream_prefix(*a), b) == stream_key(*a, b)``, so a
+    caller that keeps the prefix of (seed, tensor index, size) mixes in only the step."""
     h = 0
     for part in parts:
-        h = (h + 0x9E3779B97F4A7C15 + (int(part) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & _MASK
+        h = _mix(h, part)
+    return h
+
+
+def stream_key_from(prefix: int, part: int) -> int:
+    """``stream_key`` of the parts of ``prefix`` and ``part``."""
+    return _mix(prefix, part) & _MASK
+
+
+def _mix(h: int, part: int) -> int:
+    h = (h + 0x9E3779B97F4A7C15 + (int(part) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return h ^ (h >> 31)
 
 
 # --------------------------------------------------------------------------------------------- kernels

@@ -59,7 +59,7 @@ def linear(weight: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     fast path does not apply (module docstring)."""
     x = args[0]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if (len(args) > 3 or set(kwargs) - {"bias"} or type(x) not in _PLAIN or x.dim() < 2 or x.dtype != weight.dtype
+    if (len(args) > 3 or set(kwargs) - {"bias"} or type(x) not in _PLAIN or x.dim() < 2 or x.dtype != weight._dtype
             or weight._views or (bias is not None and type(bias) not in _PLAIN)
             or not _unwatched() or torch.is_autocast_enabled(x.device.type)):
         return None

@@ -133,6 +133,9 @@ class MVASWeight(torch.Tensor):
         self.payload, self.scales, self.format, self.block_size = payload, scales, format, block_size
         self._packed_shape = tuple(int(s) for s in shape)
         self._views = tuple(views)
+        # ``dtype`` as a plain attribute: reading ``self.dtype`` calls ``__torch_function__`` (~3 us of Python), and
+        # every weight read and linear layer needs it
+        self._dtype = dtype
 
     # ------------------------------------------------------------------------------------- construction
     @classmethod
@@ -160,7 +163,7 @@ class MVASWeight(torch.Tensor):
 
     def packed(self) -> PackedTensor:
         """The packed storage as a ``PackedTensor`` (its payload and scales are this weight's, not copies)."""
-        return PackedTensor(self.format, self._packed_shape, self.dtype, self.block_size, self.payload, self.scales)
+        return PackedTensor(self.format, self._packed_shape, self._dtype, self.block_size, self.payload, self.scales)
 
     @property
     def packed_nbytes(self) -> int:
@@ -179,7 +182,7 @@ class MVASWeight(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense value (a plain tensor, no autograd history) in ``dtype`` (default: the compute dtype)."""
-        dtype = self.dtype if dtype is None else dtype
+        dtype = self._dtype if dtype is None else dtype
         if self.scales is not None and not self._views:  # read every step: straight to its kept kernel call
             shape = self._packed_shape  # what packed() has (self.shape and numel() would go through torch function)
             dense = kernels.dequantize(self.payload, self.scales, self.format, self.block_size, math.prod(shape),
@@ -266,6 +269,8 @@ class MVASWeight(torch.Tensor):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickling (``torch.load``): the state is checked before the weight can be used."""
         self.__dict__.update(state)
+        if "_dtype" not in state:  # saved before the attribute existed
+            self._dtype = self.dtype
         _check_packed(self.format, self.block_size, self._packed_shape, self.payload, self.scales)
 
     def __reduce_ex__(self, proto: int):

@@ -41,6 +41,26 @@ def test_counter_noise_is_uniform_reproducible_and_the_same_in_any_chunking():
     assert float((other == full).double().mean()) < 0.01  # another step: another stream
 
 
+def test_stream_keys_are_splitmix64_and_a_kept_prefix_gives_the_same_key():
+    """The key is splitmix64 over its parts (written out here independently); a caller that keeps the state after
+    (seed, index, size) and mixes in only the step (MVASAdamW's prepared steps) gets the same key."""
+    def splitmix(*parts):
+        h, mask = 0, (1 << 64) - 1
+        for part in parts:
+            h = (h + 0x9E3779B97F4A7C15 + part) & mask
+            h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & mask
+            h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & mask
+            h ^= h >> 31
+        return h & 0xFFFFFFFF
+
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        seed, index, size, step = (int(v) for v in torch.randint(0, 2**62, (4,), generator=rng))
+        key = kernels.stream_key(seed, index, size, step)
+        assert key == splitmix(seed, index, size, step)
+        assert key == kernels.stream_key_from(kernels.stream_prefix(seed, index, size), step)
+
+
 def test_the_environment_variable_selects_the_eager_path(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "0")
     assert not kernels.compile_enabled() and kernels.compile_enabled(True)

@@ -151,6 +151,18 @@ def test_copies_casts_and_pickles_keep_the_packed_form():
     assert torch.equal(loaded.scales, w.scales)
 
 
+def test_a_pickle_saved_without_the_dtype_attribute_still_loads():
+    """Weights pickled before ``MVASWeight`` kept its compute dtype as an attribute load with it set."""
+    w = MVASWeight.from_dense(torch.randn(8, 32), "fp8", 32, dtype=torch.bfloat16)
+    expected = w.dequantize()
+    del w._dtype  # what such a pickle holds
+    buffer = io.BytesIO()
+    torch.save(w, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert loaded._dtype == torch.bfloat16 == loaded.dtype
+    assert torch.equal(loaded.dequantize(), expected)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
 def test_a_pickle_with_corrupt_scales_is_refused_on_load(bad):
     w = MVASWeight.from_dense(torch.randn(4, 32), "fp8", 32)
