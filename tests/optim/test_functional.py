@@ -187,6 +187,10 @@ def test_locally_finite_finds_any_inf_or_nan_and_no_overflow_of_finite_16_bit_va
             t = torch.randn(1000).to(dtype)
             t[where] = bad
             assert not locally_finite([torch.ones(3, dtype=dtype), t]), (bad, where)
+    # infinities of both signs in different tensors: their sums cancel to NaN, still not finite
+    plus, minus = torch.zeros(8, dtype=dtype), torch.zeros(8, dtype=dtype)
+    plus[3], minus[5] = float("inf"), float("-inf")
+    assert not locally_finite([plus, minus]) and not locally_finite([minus, torch.ones(2, dtype=dtype), plus])
 
 
 def test_finite_checked_answers_for_exactly_the_tensors_it_was_given_and_only_inside():
