@@ -78,6 +78,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -234,8 +235,8 @@ class DGROptimizer(torch.optim.Optimizer):
         self.skipped_nonfinite = 0
         self.step_was_skipped = False  # whether the last step() skipped the update (LR schedulers may hold back)
         ref = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(lambda p, ref=ref: _on_grad_ready(ref, p))
-                         for p in self._group_of]
+        hook = functools.partial(_on_grad_ready, ref)  # no Python frame of its own, on every parameter's gradient
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self._group_of]
         self._finalizer = weakref.finalize(self, _remove, self._handles)
 
     # ------------------------------------------------------------------------------- torch.optim API
@@ -392,16 +393,19 @@ class DGROptimizer(torch.optim.Optimizer):
         self._free_released()
 
     def _free_released(self) -> None:
-        for p in self._release:
-            p.grad = None
-        self._release.clear()
+        if self._release:
+            with torch._C.DisableTorchFunctionSubclass():  # ``.grad = None`` needs no subclass's torch function
+                for p in self._release:
+                    p.grad = None
+            self._release.clear()
 
     def _update(self, index: int) -> None:
         """Check, clip, (delay and compensate,) and step group ``index``; all-or-nothing per step when
         ``atomic_steps`` (module docstring)."""
         group = self.grouping.groups[index]
         params, inner = group.params, self._inner[index]
-        fresh = [p.grad for p in params]
+        with torch._C.DisableTorchFunctionSubclass():  # reading ``.grad`` needs no subclass's torch function
+            fresh = [p.grad for p in params]
         delay, queue = self._delays[index], self._pending[index]
         if self._poisoned:
             _skip(inner, nonfinite=False)
