@@ -285,7 +285,8 @@ class DGROptimizer(torch.optim.Optimizer):
         if 0 < self._micro < self.config.accumulation_steps:
             return
         self._free_released()
-        super().zero_grad(set_to_none)
+        with torch._C.DisableTorchFunctionSubclass():  # ``.grad`` of a managed weight needs no torch function
+            super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict plus ``"dgr"``: the delay queues, the compensator, the step counters."""

@@ -310,3 +310,33 @@ def test_prepared_compiled_steps_equal_planned_ones_bitwise_and_are_dropped_when
     planned_calls.clear()
     _run(fast_opt, fast, [grads[2]])
     assert len(planned_calls) == 6
+
+
+@pytest.mark.parametrize("dgr", [False, True])
+def test_zero_grad_clears_managed_gradients_without_their_torch_function(dgr, monkeypatch):
+    """``zero_grad`` reads and clears ``.grad`` of every parameter: for a managed weight that needs no
+    ``__torch_function__`` (~1.6 us of Python per read or write), and the gradients are gone all the same."""
+    net, loss_fn = ZOO["llama"]()
+    apply(net, plan_from_rules(net, [("*", "fp8")], block_size=16, min_numel=256))
+    if dgr:
+        wrapper = DGRWrapper(net, group_size=1, loss_fn=loss_fn)
+        opt = wrapper.optimizer(MVASAdamW, lr=1e-3)
+    else:
+        opt = MVASAdamW(net.parameters(), lr=1e-3)
+    managed = [p for p in net.parameters() if isinstance(p, MVASWeight)]
+    assert managed
+    for p in net.parameters():
+        with torch._C.DisableTorchFunctionSubclass():
+            p.grad = torch.ones(p.shape, dtype=p.dtype)
+    seen = []
+    original = MVASWeight.__torch_function__.__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(MVASWeight, "__torch_function__", classmethod(counting))
+    opt.zero_grad()
+    monkeypatch.undo()
+    assert seen == []
+    assert all(p.grad is None for p in net.parameters())
