@@ -185,6 +185,9 @@ class MVASWeight(torch.Tensor):
         dtype = self._dtype if dtype is None else dtype
         if self.scales is not None and not self._views:  # read every step: straight to its kept kernel call
             shape = self._packed_shape  # what packed() has (self.shape and numel() would go through torch function)
+            dense = kernels.planned_read(self.payload, self.scales, dtype)
+            if dense is not None:
+                return dense.view(shape)
             dense = kernels.dequantize(self.payload, self.scales, self.format, self.block_size, math.prod(shape),
                                        dtype, eager_fallback=False)
             return dense.view(shape) if dense is not None else self.packed()._decoded(dtype)

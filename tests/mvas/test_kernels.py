@@ -471,9 +471,16 @@ def test_a_kept_direct_call_is_used_only_while_its_kernel_stays_verified(monkeyp
     monkeypatch.setattr(kernels, "run", compiled.run)
     again = kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
     assert not calls and torch.equal(again, p.dequantize_range(0, n).bfloat16())  # the kept call, not run
+    monkeypatch.setenv(kernels.ENV, "1")  # a weight's own shortest path (compiled as the environment says): the call
+    read = kernels.planned_read(p.payload, p.scales, torch.bfloat16)
+    assert torch.equal(read.view(-1), again) and kernels.planned_read(p.payload, p.scales, torch.float32) is None
+    assert kernels.planned_read(p.payload, p.scales.clone(), torch.bfloat16) is None  # other scales: not planned
     monkeypatch.setattr(compiled, "_VERIFIED", {})  # to be checked again: the kept call is not used
+    assert kernels.planned_read(p.payload, p.scales, torch.bfloat16) is None
     kernels.dequantize(p.payload, p.scales, "fp8_e4m3", 32, n, torch.bfloat16, compile=True)
     assert len(calls) == 1
+    monkeypatch.setenv(kernels.ENV, "0")  # eager asked for: not the compiled kept call either
+    assert kernels.planned_read(p.payload, p.scales, torch.bfloat16) is None
 
 
 def test_the_plans_map_is_weak_and_by_identity():
