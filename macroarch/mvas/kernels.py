@@ -87,6 +87,7 @@ from macroarch.mvas.compiled import (
     run,
     vec_isa,
 )
+from macroarch.mvas.noise import counter_noise, stream_key, stream_key_from, stream_prefix  # noqa: F401 (public here)
 from macroarch.optim.functional import adamw_update_
 
 __all__ = ["ENV", "MIN_COMPILED_DEQUANTIZE", "StepSpec", "adamw_step", "compile_enabled", "compile_stats",
@@ -96,9 +97,6 @@ MIN_COMPILED_DEQUANTIZE = 8192
 """Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
 before any work (dynamo's guards and Inductor's wrapper; measured, one core: fp8 4096 elements 73 us compiled
 against 37 eager, 16384: 74 against 98). The step is compiled at every size (4096 elements: 170 against 503 us)."""
-_MASK = 0xFFFFFFFF
-_GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indices over the 32 bits
-_LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
 _SPECS: dict[StepSpec, StepSpec] = {}
 _last_scalars: tuple[bytes, torch.Tensor] | None = None  # the last compiled step's scalars: ``_scalars_tensor``
 # payload -> (scales, (format, block, numel, dtype), kernel key, kernel args, the verified direct call bound to them or
@@ -110,50 +108,6 @@ _PLANNED: WeakById = WeakById()
 _STEP_PLANNED: WeakById = WeakById()
 # Both are weak on the payload and hold its rows as ``rows_alias``es, never as views: a view keeps its base alive,
 # and a kept plan would then keep every weight it ever served alive for the life of the process.
-
-
-# --------------------------------------------------------------------------------------------- noise
-def counter_noise(counter: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
-    """Uniform int32 noise in ``[0, 2^bits)`` for elements ``counter[1] + i``, i < ``numel``, of the stream
-    ``counter[0]`` (int64, a 32-bit key): Wellons' lowbias32 hash of the key and the element index, in int32
-    arithmetic that wraps (two's complement, as torch's int32 ops and the compiled loops both do; the logical
-    shifts are arithmetic shifts masked). Pure integer arithmetic: bitwise the same eager, compiled, on any device,
-    and for any split of a tensor into chunks. Int32, not int64: a vector of int32 lanes multiplies in one
-    instruction (64-bit lanes need three, or a scalar loop on AVX2), which made this hash a fifth of the step."""
-    key = counter.to(torch.int32)  # (stream key, first element index), wrapped to int32
-    x = (torch.arange(numel, dtype=torch.int32, device=counter.device) + key[1]) * _GOLDEN + key[0]
-    x = x ^ ((x >> 16) & 0xFFFF)
-    x = x * _LOWBIAS[0]
-    x = x ^ ((x >> 15) & 0x1FFFF)
-    x = x * _LOWBIAS[1]
-    x = x ^ ((x >> 16) & 0xFFFF)
-    return (x >> (32 - bits)) & ((1 << bits) - 1)
-
-
-def stream_key(*parts: int) -> int:
-    """A 32-bit stream key from integers (seed, tensor index, step): splitmix64 over them."""
-    return stream_key_from(stream_prefix(*parts[:-1]), parts[-1]) if parts else 0
-
-
-def stream_prefix(*parts: int) -> int:
-    """The splitmix64 state after ``parts``: ``stream_key_from(stream_prefix(*a), b) == stream_key(*a, b)``, so a
-    caller that keeps the prefix of (seed, tensor index, size) mixes in only the step."""
-    h = 0
-    for part in parts:
-        h = _mix(h, part)
-    return h
-
-
-def stream_key_from(prefix: int, part: int) -> int:
-    """``stream_key`` of the parts of ``prefix`` and ``part``."""
-    return _mix(prefix, part) & _MASK
-
-
-def _mix(h: int, part: int) -> int:
-    h = (h + 0x9E3779B97F4A7C15 + (int(part) & 0xFFFFFFFFFFFFFFFF)) & 0xFFFFFFFFFFFFFFFF
-    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return h ^ (h >> 31)
 
 
 # --------------------------------------------------------------------------------------------- kernels
