@@ -237,10 +237,9 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
     planned = _PLANNED.get(payload)
     if (planned is not None and planned[0] is scales and planned[1] == (fmt, block_size, numel, dtype)
             and compile_enabled(compile) and compiled._unwatched()):  # the planned tensors were _eligible
-        direct = planned[4]
-        if direct is not None and compiled._VERIFIED.get(planned[2]) is direct[0]:
-            compiled._STATS["compiled_calls"] += 1
-            return direct[1]().view(-1)
+        kept = _kept_call(planned)
+        if kept is not None:
+            return kept.view(-1)
         return run("dequantize", planned[3][0].shape[0], planned[3], (payload, scales, fmt, block_size, dtype),
                    key=planned[2]).view(-1)
     info = get_format(fmt)
@@ -272,13 +271,20 @@ def planned_read(payload: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     decide: the shortest path of a weight read, which runs twice per layer and step (measured: 2-3 us of Python
     less a read in a tight loop, 5-6 times that between a model's matmuls)."""
     planned = _PLANNED.get(payload)
-    if planned is None or planned[0] is not scales or planned[1][3] is not dtype or planned[4] is None:
+    if planned is None or planned[0] is not scales or planned[1][3] is not dtype or not compile_enabled() \
+            or not compiled._unwatched():
         return None
-    verdict, call = planned[4]
-    if compiled._VERIFIED.get(planned[2]) is not verdict or not compile_enabled() or not compiled._unwatched():
+    return _kept_call(planned)
+
+
+def _kept_call(planned: tuple) -> torch.Tensor | None:
+    """The result of a ``_PLANNED`` entry's bound direct call while its kernel stays verified as that call, else
+    None (no call made)."""
+    direct = planned[4]
+    if direct is None or compiled._VERIFIED.get(planned[2]) is not direct[0]:
         return None
     compiled._STATS["compiled_calls"] += 1
-    return call()
+    return direct[1]()
 
 
 def canonical_spec(spec: StepSpec) -> StepSpec:

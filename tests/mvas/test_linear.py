@@ -36,18 +36,11 @@ def test_the_fast_linear_is_bitwise_the_dispatch_path(dtype, shape, bias, monkey
     assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(grads_fast, grads_ref, strict=True))
 
 
-def test_a_fast_linear_runs_python_torch_function_only_for_the_call_itself(monkeypatch):
+def test_a_fast_linear_runs_python_torch_function_only_for_the_call_itself(torch_function_calls):
     """Forward and backward of the fast path read the weight's dtype and storage from plain attributes: the one
     ``__torch_function__`` call is ``F.linear``'s own (each further one, a property read such as ``dtype``, costs
     ~3 us of Python per layer, 5-6 times that between a model's matmuls)."""
-    seen = []
-    original = MVASWeight.__torch_function__.__func__
-
-    def counting(cls, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return original(cls, func, types, args, kwargs)
-
-    monkeypatch.setattr(MVASWeight, "__torch_function__", classmethod(counting))
+    seen = torch_function_calls
     x = torch.randn(4, 16, 256, dtype=torch.bfloat16, requires_grad=True)
     w = MVASWeight.from_dense(torch.randn(96, 256) * 0.05, "fp8_e4m3", 32, dtype=torch.bfloat16).requires_grad_()
     seen.clear()

@@ -313,7 +313,7 @@ def test_prepared_compiled_steps_equal_planned_ones_bitwise_and_are_dropped_when
 
 
 @pytest.mark.parametrize("dgr", [False, True])
-def test_zero_grad_clears_managed_gradients_without_their_torch_function(dgr, monkeypatch):
+def test_zero_grad_clears_managed_gradients_without_their_torch_function(dgr, torch_function_calls):
     """``zero_grad`` reads and clears ``.grad`` of every parameter: for a managed weight that needs no
     ``__torch_function__`` (~1.6 us of Python per read or write), and the gradients are gone all the same."""
     net, loss_fn = ZOO["llama"]()
@@ -328,15 +328,8 @@ def test_zero_grad_clears_managed_gradients_without_their_torch_function(dgr, mo
     for p in net.parameters():
         with torch._C.DisableTorchFunctionSubclass():
             p.grad = torch.ones(p.shape, dtype=p.dtype)
-    seen = []
-    original = MVASWeight.__torch_function__.__func__
-
-    def counting(cls, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return original(cls, func, types, args, kwargs)
-
-    monkeypatch.setattr(MVASWeight, "__torch_function__", classmethod(counting))
+    torch_function_calls.clear()
     opt.zero_grad()
-    monkeypatch.undo()
+    seen = list(torch_function_calls)
     assert seen == []
     assert all(p.grad is None for p in net.parameters())
