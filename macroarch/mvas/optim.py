@@ -225,21 +225,29 @@ class MVASAdamW(torch.optim.Optimizer):
         entry = self._prepared.get(p)
         if entry is None:
             return False
-        chunks, calls, token, prefix = entry
+        chunks, calls, token, prefix, counter, keys = entry
         grad, state = p.grad, self.state[p]
         if (type(grad) is not torch.Tensor or grad.dtype is not calls[0].grad_dtype or not grad.is_contiguous()
                 or prefix[0] != index or _token(p, state) != token or not all(call.current() for call in calls)):
             return False
-        state["step"] += 1
-        step = float(state["step"])
+        if counter[0] is not state["step"]:  # a loaded state dict, or a counter set by hand
+            counter = _step_counter(state["step"])
+            self._prepared[p] = (chunks, calls, token, prefix, counter, keys)
+        if counter[1] is None:
+            state["step"] += 1
+            step = float(state["step"])
+        else:
+            step = counter[1][0] = counter[1][0] + 1.0
         scalars = kernels._scalars_tensor(tuple(adamw_scalars(step, lr, beta1, beta2, eps, wd)))
         key = kernels.stream_key_from(prefix[1], int(step))
         if len(calls) == 1:
-            calls[0](grad.view(calls[0].rows, -1), _counter(key, 0), scalars)
+            keys[0][1][0] = key
+            calls[0](grad.view(calls[0].rows, -1), keys[0][0], scalars)
         else:
             flat = grad.view(-1)
-            for (start, stop, *_), call in zip(chunks, calls):
-                call(flat[start:stop].view(call.rows, -1), _counter(key, start), scalars)
+            for (start, stop, *_), call, (counter, view) in zip(chunks, calls, keys):
+                view[0] = key
+                call(flat[start:stop].view(call.rows, -1), counter, scalars)
         if isinstance(p, MVASWeight):
             p.mark_written()
         return True
@@ -264,7 +272,8 @@ class MVASAdamW(torch.optim.Optimizer):
             prepared = [kernels.prepared_step(chunk[2], spec) for chunk in chunks]
             if all(prepared):
                 prefix = (index, kernels.stream_prefix(self.seed, index, weight.numel()))
-                self._prepared[p] = (chunks, prepared, self._plans[p][0], prefix)
+                self._prepared[p] = (chunks, prepared, self._plans[p][0], prefix, _step_counter(state["step"]),
+                                     [_noise_counter(chunk[0]) for chunk in chunks])
         if isinstance(weight, MVASWeight):
             weight.mark_written()
 
@@ -333,11 +342,28 @@ def _token(weight: torch.Tensor, state: dict) -> tuple:
             None if master is None else master.data_ptr())
 
 
-def _counter(key: int, start: int) -> torch.Tensor:
-    """The kernel's noise counter ``[key, start]`` (int64): ``torch.frombuffer`` of an array, a third of the time of
-    ``torch.tensor`` of a list (0.75 against 2.4 us). A real tensor even under a fake-tensor mode: for the prepared
-    step only, which runs under no mode."""
-    return torch.frombuffer(array.array("q", (key, start)), dtype=torch.int64)
+def _step_counter(step: torch.Tensor) -> tuple[torch.Tensor, memoryview | None]:
+    """``(step, view)``: a float32 memoryview of the step counter tensor's one element, through which the prepared
+    step counts without an operator call (torch's ``+= 1`` and ``float()``: 2 us in a tight loop, but 25-30 us between
+    a model's matmuls, where an operator's code is cold: about 1.1 ms of a 145 ms training step for 39 tensors, one
+    core), or None for a counter it cannot view (another dtype or device, a fake tensor): ``+= 1`` then. The
+    counter's value is the same: float32 adds 1 exactly to every count below 2^24 and, above it, rounds ``x + 1``
+    computed in float64 to the same float32 as its own add does; only its version counter does not move (autograd
+    never sees optimizer state)."""
+    if (type(step) is not torch.Tensor or step.dtype is not torch.float32 or step.device.type != "cpu"
+            or step.numel() != 1 or step.requires_grad):
+        return step, None
+    return step, memoryview(step.detach().numpy()).cast("B").cast("f")
+
+
+def _noise_counter(start: int) -> tuple[torch.Tensor, array.array]:
+    """A chunk's noise counter ``[key, start]`` (int64) for the prepared step, kept from step to step, and the array
+    it views (``torch.frombuffer``: a real tensor even under a fake-tensor mode), through which each step writes its
+    stream key without an operator call: a new tensor per call took 0.75 us in a tight loop and several times that
+    between a model's matmuls. The kernels only read it, and a call has finished before the next step writes it
+    (CPU kernels run synchronously)."""
+    values = array.array("q", (0, start))
+    return torch.frombuffer(values, dtype=torch.int64), values
 
 
 def _slice(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, block: int | None, start: int,

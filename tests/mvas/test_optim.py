@@ -287,16 +287,28 @@ def test_prepared_compiled_steps_equal_planned_ones_bitwise_and_are_dropped_when
     grads = [[g.bfloat16() for g in step] for step in _grads(warm, 4)]
     _run(warm_opt, warm, grads[:1])
     (fast, fast_opt), (slow, slow_opt) = build(), build()
-    for k, step in enumerate(grads):
+
+    def step_both(step: list) -> bool:
         planned_calls.clear()
         _run(fast_opt, fast, [step])
-        assert len(planned_calls) == (6 if k == 0 else 0)  # planned on the first step only: prepared after
+        prepared = not planned_calls
         slow_opt._prepared.clear()  # the twin plans every step
         _run(slow_opt, slow, [step])
         for a, b in zip(fast, slow):
             assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+            assert fast_opt.state[a]["step"].item() == slow_opt.state[b]["step"].item()
             for key in ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales"):
                 assert torch.equal(fast_opt.state[a][key].view(torch.uint8), slow_opt.state[b][key].view(torch.uint8))
+        return prepared
+
+    for k, step in enumerate(grads):
+        assert step_both(step) == (k > 0)  # planned on the first step only: prepared after
+    assert [fast_opt.state[p]["step"].item() for p in fast] == [4.0, 4.0]  # counted in the state's own tensors
+    for params, opt in ((fast, fast_opt), (slow, slow_opt)):  # counters set by hand: a new tensor, and in place
+        opt.state[params[0]]["step"] = torch.tensor(10.0)
+        opt.state[params[1]]["step"].fill_(20.0)
+    assert step_both(grads[1])  # still prepared, counting on from the counters set (the noise streams follow them)
+    assert [fast_opt.state[p]["step"].item() for p in fast] == [11.0, 21.0]
     planned_calls.clear()
     monkeypatch.setattr(compiled, "_VERIFIED", {})  # the kernels are to be checked again: the kept calls are not
     _run(fast_opt, fast, [grads[0]])  # current, so the step plans (and checks) again
