@@ -245,9 +245,9 @@ class MVASAdamW(torch.optim.Optimizer):
             calls[0](grad.view(calls[0].rows, -1), keys[0][0], scalars)
         else:
             flat = grad.view(-1)
-            for (start, stop, *_), call, (counter, view) in zip(chunks, calls, keys):
+            for (start, stop, *_), call, (noise_counter, view) in zip(chunks, calls, keys):
                 view[0] = key
-                call(flat[start:stop].view(call.rows, -1), counter, scalars)
+                call(flat[start:stop].view(call.rows, -1), noise_counter, scalars)
         if isinstance(p, MVASWeight):
             p.mark_written()
         return True
@@ -360,8 +360,8 @@ def _noise_counter(start: int) -> tuple[torch.Tensor, array.array]:
     """A chunk's noise counter ``[key, start]`` (int64) for the prepared step, kept from step to step, and the array
     it views (``torch.frombuffer``: a real tensor even under a fake-tensor mode), through which each step writes its
     stream key without an operator call: a new tensor per call took 0.75 us in a tight loop and several times that
-    between a model's matmuls. The kernels only read it, and a call has finished before the next step writes it
-    (CPU kernels run synchronously)."""
+    between a model's matmuls. The kernels only read it, and each call has read it before it returns (the kernels
+    run on the caller's thread), so the next step's write cannot race a read."""
     values = array.array("q", (0, start))
     return torch.frombuffer(values, dtype=torch.int64), values
 
