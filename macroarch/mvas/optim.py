@@ -237,7 +237,9 @@ class MVASAdamW(torch.optim.Optimizer):
             state["step"] += 1
             step = float(state["step"])
         else:
-            step = counter[1][0] = counter[1][0] + 1.0
+            count = counter[1]
+            count[0] = count[0] + 1.0
+            step = count[0]  # read back: the float32 count, as float(state["step"]) reads it (from 2^24 on, it stays)
         scalars = kernels._scalars_tensor(tuple(adamw_scalars(step, lr, beta1, beta2, eps, wd)))
         key = kernels.stream_key_from(prefix[1], int(step))
         if len(calls) == 1:

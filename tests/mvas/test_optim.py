@@ -306,9 +306,9 @@ def test_prepared_compiled_steps_equal_planned_ones_bitwise_and_are_dropped_when
     assert [fast_opt.state[p]["step"].item() for p in fast] == [4.0, 4.0]  # counted in the state's own tensors
     for params, opt in ((fast, fast_opt), (slow, slow_opt)):  # counters set by hand: a new tensor, and in place
         opt.state[params[0]]["step"] = torch.tensor(10.0)
-        opt.state[params[1]]["step"].fill_(20.0)
+        opt.state[params[1]]["step"].fill_(2.0**24)  # where a float32 count stops: 2^24 + 1 rounds back to 2^24
     assert step_both(grads[1])  # still prepared, counting on from the counters set (the noise streams follow them)
-    assert [fast_opt.state[p]["step"].item() for p in fast] == [11.0, 21.0]
+    assert [fast_opt.state[p]["step"].item() for p in fast] == [11.0, 2.0**24]
     planned_calls.clear()
     monkeypatch.setattr(compiled, "_VERIFIED", {})  # the kernels are to be checked again: the kept calls are not
     _run(fast_opt, fast, [grads[0]])  # current, so the step plans (and checks) again
