@@ -230,16 +230,7 @@ class MVASAdamW(torch.optim.Optimizer):
         if (type(grad) is not torch.Tensor or grad.dtype is not calls[0].grad_dtype or not grad.is_contiguous()
                 or prefix[0] != index or _token(p, state) != token or not all(call.current() for call in calls)):
             return False
-        if counter[0] is not state["step"]:  # a loaded state dict, or a counter set by hand
-            counter = _step_counter(state["step"])
-            self._prepared[p] = (chunks, calls, token, prefix, counter, keys)
-        if counter[1] is None:
-            state["step"] += 1
-            step = float(state["step"])
-        else:
-            count = counter[1]
-            count[0] = count[0] + 1.0
-            step = count[0]  # read back: the float32 count, as float(state["step"]) reads it (from 2^24 on, it stays)
+        step = counter.advance(state)
         scalars = kernels._scalars_tensor(tuple(adamw_scalars(step, lr, beta1, beta2, eps, wd)))
         key = kernels.stream_key_from(prefix[1], int(step))
         if len(calls) == 1:
@@ -274,7 +265,7 @@ class MVASAdamW(torch.optim.Optimizer):
             prepared = [kernels.prepared_step(chunk[2], spec) for chunk in chunks]
             if all(prepared):
                 prefix = (index, kernels.stream_prefix(self.seed, index, weight.numel()))
-                self._prepared[p] = (chunks, prepared, self._plans[p][0], prefix, _step_counter(state["step"]),
+                self._prepared[p] = (chunks, prepared, self._plans[p][0], prefix, _StepCounter(state["step"]),
                                      [_noise_counter(chunk[0]) for chunk in chunks])
         if isinstance(weight, MVASWeight):
             weight.mark_written()
@@ -344,18 +335,37 @@ def _token(weight: torch.Tensor, state: dict) -> tuple:
             None if master is None else master.data_ptr())
 
 
-def _step_counter(step: torch.Tensor) -> tuple[torch.Tensor, memoryview | None]:
-    """``(step, view)``: a float32 memoryview of the step counter tensor's one element, through which the prepared
-    step counts without an operator call (torch's ``+= 1`` and ``float()``: 2 us in a tight loop, but 25-30 us between
-    a model's matmuls, where an operator's code is cold: about 1.1 ms of a 145 ms training step for 39 tensors, one
-    core), or None for a counter it cannot view (another dtype or device, a fake tensor): ``+= 1`` then. The
-    counter's value is the same: float32 adds 1 exactly to every count below 2^24 and, above it, rounds ``x + 1``
-    computed in float64 to the same float32 as its own add does; only its version counter does not move (autograd
+class _StepCounter:
+    """Counts a prepared step in ``state["step"]`` without an operator call (torch's ``+= 1`` and ``float()``: 2 us in a
+    tight loop, but 25-30 us between a model's matmuls, where an operator's code is cold: about 1.1 ms of a 145 ms
+    training step for 39 tensors, one core), through a float32 memoryview of the counter tensor's one element. It
+    follows the state's tensor when that is replaced (a loaded state dict, a counter set by hand); a counter it cannot
+    view (another dtype or device, a fake tensor) counts with ``+= 1``. The same count: the float32 value is read back,
+    so from 2^24 on it stays where torch's own add stays; only the tensor's version counter does not move (autograd
     never sees optimizer state)."""
-    if (type(step) is not torch.Tensor or step.dtype is not torch.float32 or step.device.type != "cpu"
-            or step.numel() != 1 or step.requires_grad):
-        return step, None
-    return step, memoryview(step.detach().numpy()).cast("B").cast("f")
+
+    __slots__ = ("tensor", "view")
+
+    def __init__(self, step: torch.Tensor) -> None:
+        self._bind(step)
+
+    def _bind(self, step: torch.Tensor) -> None:
+        viewable = (type(step) is torch.Tensor and step.dtype is torch.float32 and step.device.type == "cpu"
+                    and step.numel() == 1 and not step.requires_grad)
+        self.tensor = step
+        self.view = memoryview(step.detach().numpy()).cast("B").cast("f") if viewable else None
+
+    def advance(self, state: dict) -> float:
+        """Add one to ``state["step"]`` and return the new count."""
+        step = state["step"]
+        if step is not self.tensor:
+            self._bind(step)
+        view = self.view
+        if view is None:
+            step += 1  # in place: the state's tensor
+            return float(step)
+        view[0] = view[0] + 1.0
+        return view[0]
 
 
 def _noise_counter(start: int) -> tuple[torch.Tensor, array.array]:
