@@ -16,10 +16,11 @@ def _bits(x):  # the stochastic rounding's pattern: float bits as int32, integer
     return ((x.view(torch.int32) + 0x1000) & ~0xFFF).view(torch.float32) * 0.5
 
 
-def _generated(fn, x, options):
+def _generated(fn, x, options):  # x: the argument, or a tuple of them
     torch._dynamo.reset()
     with fresh_cache():
-        out, code = run_and_get_code(torch.compile(fn, options=options, dynamic=False), x)
+        args = x if isinstance(x, tuple) else (x,)
+        out, code = run_and_get_code(torch.compile(fn, options=options, dynamic=False), *args)
     return out, "\n".join(code)
 
 
@@ -85,3 +86,36 @@ def test_narrowing_to_bytes_is_vector_code_with_the_same_bytes():
     expected = _codes(x)
     for got in (out, plain_out):
         assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def _fp8_as_float(codes, scales):  # float32 lanes: one vector of codes to one of floats
+    return codes.float() * 1.0
+
+
+def _fp8_as_bf16(codes, scales):  # a dequantisation into bf16: one vector of codes to two of floats
+    return (codes.float() * scales).to(torch.bfloat16)
+
+
+@pytest.mark.skipif(not codegen.vec_isa().startswith("avx512"), reason="AVX-512 only")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_to_float_is_vector_code_with_the_bits_of_torchs_cast_for_every_code(dtype):
+    """Every fp8 code (NaN's bits and both zeros included), in both loop widths: e4m3 through fp16, e5m2 by ATen's
+    conversion of 16 lanes, where ATen's generic conversion of 32 lanes runs a lane at a time."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(64)[torch.randperm(256 * 64)].view(dtype)
+    scales = torch.full((codes.numel(),), 2.0 ** -3)
+    fp8 = str(dtype).removeprefix("torch.").replace("float8", "at::Float8")
+    plain_options = {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"}
+    for fn, bits in ((_fp8_as_float, torch.int32), (_fp8_as_bf16, torch.int16)):
+        plain_out, plain = _generated(fn, (codes, scales), plain_options)
+        with codegen.vector_bitcasts():
+            out, code = _generated(fn, (codes, scales), codegen.options())
+        if fn is _fp8_as_bf16:  # torch 2.14 without the fix: ATen's generic, scalar conversion
+            assert f"at::vec::convert<float,2,{fp8},1>(" in plain and "at::vec::convert<float,2," not in code
+        if dtype == torch.float8_e4m3fn:  # ATen's own e4m3 conversion is replaced in both widths
+            assert "_mm512_srai_epi16(" in code and f"at::vec::convert<float>(at::vec::Vectorized<{fp8}>" not in code
+        expected = fn(codes, scales)
+        assert torch.equal(out.view(bits), expected.view(bits))
+        # ATen's own vector conversion gives e4m3's NaN other bits (0x7FC00000) than the cast (0x7FF00000)
+        number = ~expected.isnan()
+        assert torch.equal(plain_out[number].view(bits), expected[number].view(bits))
+        assert plain_out[~number].isnan().all()

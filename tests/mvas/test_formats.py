@@ -206,3 +206,22 @@ def test_chunked_decoding_and_writing_equal_the_whole_tensor(name, block_size, m
     for start in range(0, flat.numel(), 64):
         write_range(target.payload, target.scales, pack(flat[start:start + 64], name, block_size), start, start + 64)
     assert torch.equal(target.dequantize(), expected)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+def test_stochastic_rounding_keeps_every_sign_and_rounds_the_magnitude(name):
+    """The sign goes onto the rounded magnitude by bit operations (codecs._round_elementwise): each result has its
+    input's sign bit (both zeros included) and the magnitude of the same rounding of ``|y|``; NaN stays NaN (its sign
+    is the cast's: torch's float32 to bf16 gives 0xFFFF for either NaN)."""
+    from macroarch.mvas.codecs import _round_elementwise, noise_bits
+
+    f = get_format(name)
+    y = torch.tensor([0.0, -0.0, 1.3, -1.3, 0.011, -0.011, 3e-3, -3e-3, float("nan"), -float("nan"), 200.0, -200.0])
+    y = y.repeat(64)
+    noise = torch.randint(0, 1 << noise_bits(name), y.shape, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.int32)
+    got = _round_elementwise(y, f, noise).float()
+    magnitude = _round_elementwise(y.abs(), f, noise).float()
+    number = ~y.isnan()
+    assert torch.equal(got[number].signbit(), y[number].signbit())
+    assert torch.equal(got[number].abs(), magnitude[number]) and got[~number].isnan().all()
