@@ -22,7 +22,10 @@ moves, and the 512-bit load after them waits for both stores to retire: a store-
 context a cast between 32-bit types of one vector each is ``at::vec::cast``, ATen's reinterpretation of the vector
 (one register move on AVX-512 and AVX2). The values are the same bits either way (the first-call check in
 ``compiled`` still compares each kernel with its eager source). Measured on one core (AVX-512), 2^20 elements, ns
-per element: the fp8 step 5.6 -> 4.6, the step with fp4 weights 8.3 -> 6.3.
+per element: the fp8 step 5.6 -> 4.6, the step with fp4 weights 8.3 -> 6.3. On AVX-512 a cast between 1-byte types
+of one vector each (uint8 codes stored into an fp8 payload: the stochastically rounded fp8 weight,
+``codecs._fp8_by_arithmetic``) is likewise the same register taken as the other type (``Vectorized<T>(__m512i(x))``),
+where Inductor copied it a lane at a time through memory.
 
 **Narrowing to bytes** (same context). ATen's AVX-512 vector library converts int32 and int16 vectors to int8 in
 one instruction (``vpmovdb``, ``vpmovwb``) but has no such conversion to uint8, so Inductor's
@@ -69,7 +72,8 @@ __all__ = ["options", "vec_isa", "vector_bitcasts"]
 
 _FIX = ("macroarch.mvas.codegen: vector bit casts between 32-bit types (at::vec::cast), 1; "
         "int32/int16 to uint8 through int8 on AVX-512, by saturating packs on AVX2, 1; int16 loops vectorised, 1; "
-        "fp8 e4m3 to float through fp16 on AVX-512, 2; fp8 e5m2 to two float vectors, 2")
+        "fp8 e4m3 to float through fp16 on AVX-512, 2; fp8 e5m2 to two float vectors, 2; "
+        "bit casts between 1-byte types on AVX-512, 1")
 
 
 def vec_isa() -> str:
@@ -176,6 +180,7 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
     import torch
 
     scalarised = original.__func__
+    _BYTE_TYPES = {torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2}
 
     def to_dtype_bitcast(x: Any, dtype: Any, src_dtype: Any) -> Any:
         kernel = cpp.V.kernel
@@ -183,6 +188,10 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
                 and isinstance(kernel, kernel_type)
                 and kernel._get_num_vectors(src_dtype) == 1 and kernel._get_num_vectors(dtype) == 1):
             return f"at::vec::cast<{cpp.DTYPE_TO_CPP[dtype]}>({x})"
+        if ({dtype, src_dtype} <= _BYTE_TYPES and dtype != src_dtype and isinstance(kernel, kernel_type)
+                and getattr(kernel.vec_isa, "bit_width", lambda: 0)() == 512
+                and kernel._get_num_vectors(src_dtype) == 1 and kernel._get_num_vectors(dtype) == 1):
+            return f"at::vec::Vectorized<{cpp.DTYPE_TO_CPP[dtype]}>(__m512i({x}))"
         return scalarised(x, dtype, src_dtype)
 
     def get_to_dtype_expr(self: Any, src: Any, dtype: Any, src_dtype: Any, rounding: bool = False) -> str:

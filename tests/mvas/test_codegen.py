@@ -119,3 +119,22 @@ def test_fp8_to_float_is_vector_code_with_the_bits_of_torchs_cast_for_every_code
         number = ~expected.isnan()
         assert torch.equal(plain_out[number].view(bits), expected[number].view(bits))
         assert plain_out[~number].isnan().all()
+
+
+def _bytes_as_fp8(x, payload):  # codes computed as uint8, written into an fp8 payload (the stochastic fp8 weight)
+    return payload.copy_(((x.view(torch.int32) >> 20) & 0xFF).to(torch.uint8).view(payload.dtype))
+
+
+@pytest.mark.skipif(not codegen.vec_isa().startswith("avx512"), reason="AVX-512 only")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_bit_casts_between_byte_types_are_vector_code_with_the_same_bytes(dtype):
+    x = torch.randn(1 << 14) * 1e3
+    plain_out, plain = _generated(_bytes_as_fp8, (x, torch.empty(x.shape, dtype=dtype)),
+                                  {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"})
+    with codegen.vector_bitcasts():
+        out, code = _generated(_bytes_as_fp8, (x, torch.empty(x.shape, dtype=dtype)), codegen.options())
+    fp8 = str(dtype).removeprefix("torch.").replace("float8", "at::Float8")
+    assert f"c10::bit_cast<{fp8}>" in plain  # torch 2.14 without the fix: a lane-by-lane copy through memory
+    assert f"at::vec::Vectorized<{fp8}>(__m512i(" in code and "bit_cast" not in code
+    expected = _bytes_as_fp8(x, torch.empty(x.shape, dtype=dtype)).view(torch.uint8)
+    assert torch.equal(out.view(torch.uint8), expected) and torch.equal(plain_out.view(torch.uint8), expected)
