@@ -56,22 +56,24 @@ from macroarch.mvas.importance import (
 )
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.mvas.policy import (
-    CLIP_TOWERS,
     DEFAULT_KEEP_PATTERNS,
     MIN_NUMEL,
     PrecisionPlan,
     Rule,
     TensorPlan,
-    clip_plan,
-    clip_rules,
     packable,
-    parse_precision_policy,
     plan_for_budget,
     plan_from_rules,
+    transfer_plan,
+)
+from macroarch.mvas.precision_policy import (
+    CLIP_TOWERS,
+    clip_plan,
+    clip_rules,
+    parse_precision_policy,
     policy_rules,
     read_precision_policy,
     split_rules,
-    transfer_plan,
 )
 from macroarch.mvas.schedule import MVASSchedule, PlanChange, expected_rounding_error, importance_plan
 from macroarch.mvas.store import MVASStore, apply, is_packed_buffer

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from macroarch.mvas.formats import pack, quantization_error, storage_bytes
-from macroarch.mvas.policy import (
+from macroarch.mvas.policy import plan_for_budget, plan_from_rules
+from macroarch.mvas.precision_policy import (
     clip_plan,
     clip_rules,
     parse_precision_policy,
-    plan_for_budget,
-    plan_from_rules,
     read_precision_policy,
     split_rules,
 )
