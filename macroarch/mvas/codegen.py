@@ -184,30 +184,31 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
     scalarised = original.__func__
     _BYTE_TYPES = {torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2}
 
+    def width(kernel: Any) -> int:  # the vector width in bits (0: unknown)
+        return getattr(kernel.vec_isa, "bit_width", lambda: 0)()
+
     def to_dtype_bitcast(x: Any, dtype: Any, src_dtype: Any) -> Any:
         kernel = cpp.V.kernel
-        if (dtype.itemsize == src_dtype.itemsize == 4 and dtype in cpp.DTYPE_TO_CPP
-                and isinstance(kernel, kernel_type)
+        if (isinstance(kernel, kernel_type) and dtype in cpp.DTYPE_TO_CPP
                 and kernel._get_num_vectors(src_dtype) == 1 and kernel._get_num_vectors(dtype) == 1):
-            return f"at::vec::cast<{cpp.DTYPE_TO_CPP[dtype]}>({x})"
-        if ({dtype, src_dtype} <= _BYTE_TYPES and dtype != src_dtype and isinstance(kernel, kernel_type)
-                and getattr(kernel.vec_isa, "bit_width", lambda: 0)() == 512
-                and kernel._get_num_vectors(src_dtype) == 1 and kernel._get_num_vectors(dtype) == 1):
-            return f"at::vec::Vectorized<{cpp.DTYPE_TO_CPP[dtype]}>(__m512i({x}))"
+            if dtype.itemsize == src_dtype.itemsize == 4:
+                return f"at::vec::cast<{cpp.DTYPE_TO_CPP[dtype]}>({x})"
+            if {dtype, src_dtype} <= _BYTE_TYPES and dtype != src_dtype and width(kernel) == 512:
+                return f"at::vec::Vectorized<{cpp.DTYPE_TO_CPP[dtype]}>(__m512i({x}))"
         return scalarised(x, dtype, src_dtype)
 
     def get_to_dtype_expr(self: Any, src: Any, dtype: Any, src_dtype: Any, rounding: bool = False) -> str:
-        width = getattr(self.vec_isa, "bit_width", lambda: 0)()
+        bits = width(self)
         fp8 = (str(src_dtype).removeprefix("torch."), self._get_num_vectors(dtype))
-        if (dtype == torch.float32 and fp8 in _FP8_TO_FLOAT and width == 512 and getattr(src, "is_vec", False)
+        if (dtype == torch.float32 and fp8 in _FP8_TO_FLOAT and bits == 512 and getattr(src, "is_vec", False)
                 and self._get_num_vectors(src_dtype) == 1):
             return _FP8_TO_FLOAT[fp8].format(src)
         if (dtype == torch.uint8 and src_dtype in (torch.int32, torch.int16) and not rounding
                 and getattr(src, "is_vec", False)
                 and self._get_num_vectors(src_dtype) == 1 and self._get_num_vectors(dtype) == 1):
-            if width == 512:
+            if bits == 512:
                 return f"at::vec::cast<uint8_t>(at::vec::convert<int8_t>({src}))"
-            if width == 256 and str(self.vec_isa) == "avx2":
+            if bits == 256 and str(self.vec_isa) == "avx2":
                 return _AVX2_BYTES[str(src_dtype).removeprefix("torch.")].format(src)
         return to_dtype_expr(self, src, dtype, src_dtype, rounding)
 

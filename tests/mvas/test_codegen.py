@@ -24,11 +24,14 @@ def _generated(fn, x, options):  # x: the argument, or a tuple of them
     return out, "\n".join(code)
 
 
+def _plain_options():  # the kernels' options without the fix's cache-key pass (compiled outside the context)
+    return {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"}
+
+
 def test_inside_the_context_bit_casts_are_vector_casts_with_the_same_bits_and_the_patch_is_undone():
     x = torch.randn(4096)
     original = vars(CppVecOverrides)["to_dtype_bitcast"]
-    options = {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"}
-    plain_out, plain = _generated(_bits, x, options)
+    plain_out, plain = _generated(_bits, x, _plain_options())
     with codegen.vector_bitcasts():
         assert vars(CppVecOverrides)["to_dtype_bitcast"] is not original
         out, code = _generated(_bits, x, codegen.options())
@@ -69,8 +72,7 @@ def test_narrowing_to_bytes_is_vector_code_with_the_same_bytes():
     under ``ATEN_CPU_CAPABILITY=avx2`` too (tests/mvas/test_kernels.py's AVX2 test compiles the kernels that way)."""
     x = torch.randn(1 << 14) * 1e3
     original = vars(CppVecKernel)["get_to_dtype_expr"]
-    plain_out, plain = _generated(_codes, x, {k: v for k, v in codegen.options().items()
-                                              if k != "post_grad_custom_post_pass"})
+    plain_out, plain = _generated(_codes, x, _plain_options())
     with codegen.vector_bitcasts():
         out, code = _generated(_codes, x, codegen.options())
     if codegen.vec_isa().startswith("avx512"):
@@ -104,9 +106,8 @@ def test_fp8_to_float_is_vector_code_with_the_bits_of_torchs_cast_for_every_code
     codes = torch.arange(256, dtype=torch.uint8).repeat(64)[torch.randperm(256 * 64)].view(dtype)
     scales = torch.full((codes.numel(),), 2.0 ** -3)
     fp8 = str(dtype).removeprefix("torch.").replace("float8", "at::Float8")
-    plain_options = {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"}
     for fn, bits in ((_fp8_as_float, torch.int32), (_fp8_as_bf16, torch.int16)):
-        plain_out, plain = _generated(fn, (codes, scales), plain_options)
+        plain_out, plain = _generated(fn, (codes, scales), _plain_options())
         with codegen.vector_bitcasts():
             out, code = _generated(fn, (codes, scales), codegen.options())
         if fn is _fp8_as_bf16:  # torch 2.14 without the fix: ATen's generic, scalar conversion
@@ -129,8 +130,7 @@ def _bytes_as_fp8(x, payload):  # codes computed as uint8, written into an fp8 p
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_bit_casts_between_byte_types_are_vector_code_with_the_same_bytes(dtype):
     x = torch.randn(1 << 14) * 1e3
-    plain_out, plain = _generated(_bytes_as_fp8, (x, torch.empty(x.shape, dtype=dtype)),
-                                  {k: v for k, v in codegen.options().items() if k != "post_grad_custom_post_pass"})
+    plain_out, plain = _generated(_bytes_as_fp8, (x, torch.empty(x.shape, dtype=dtype)), _plain_options())
     with codegen.vector_bitcasts():
         out, code = _generated(_bytes_as_fp8, (x, torch.empty(x.shape, dtype=dtype)), codegen.options())
     fp8 = str(dtype).removeprefix("torch.").replace("float8", "at::Float8")
