@@ -185,7 +185,7 @@ def _compiled(name: str, args: tuple, mark: bool = True) -> Any:
     global _PRIMS
     if name not in _COMPILED:
         try:
-            from torch._inductor import inductor_prims  # noqa: F401  (registers the prim of kernels._stored_once)
+            from torch._inductor import inductor_prims  # noqa: F401  (registers the prim of codecs._stored_once)
 
             _PRIMS = True
             _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,

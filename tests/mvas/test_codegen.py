@@ -8,6 +8,7 @@ from torch._inductor.codegen.cpp import CppVecKernel, CppVecOverrides
 from torch._inductor.utils import fresh_cache, run_and_get_code
 
 from macroarch.mvas import codegen
+from macroarch.mvas.noise import counter_noise
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +139,23 @@ def test_bit_casts_between_byte_types_are_vector_code_with_the_same_bytes(dtype)
     assert f"at::vec::Vectorized<{fp8}>(__m512i(" in code and "bit_cast" not in code
     expected = _bytes_as_fp8(x, torch.empty(x.shape, dtype=dtype)).view(torch.uint8)
     assert torch.equal(out.view(torch.uint8), expected) and torch.equal(plain_out.view(torch.uint8), expected)
+
+
+def _indices(counter):  # the stochastic rounding's noise (int32 element indices), and int64 indices with stride 3
+    wide = torch.arange(0, 3 * 4096, 3, dtype=torch.int64) + counter[1]
+    return counter_noise(counter, 4096, 20), wide * 0x9E3779B1 ^ (wide >> 7)
+
+
+def test_integer_indices_are_a_broadcast_plus_constant_lanes_with_the_same_values():
+    """Inductor builds a vector of element indices from one scalar per lane (16 ``lea`` and inserts per vector in
+    ``perf annotate`` of the fp8 step); inside the context it is the first index broadcast plus the constant lanes
+    ``arange(0, stride)``. Indices near int32's limits wrap alike."""
+    for counter in (torch.tensor([0x12345678, 1 << 20]), torch.tensor([7, (1 << 31) - 100])):
+        expected = _indices(counter)
+        plain_out, plain = _generated(_indices, counter, _plain_options())
+        with codegen.vector_bitcasts():
+            out, code = _generated(_indices, counter, codegen.options())
+        assert "::arange(0, 1))" in code and "::arange(0, 3))" in code
+        assert "::arange(0, " not in plain  # torch 2.14 without the fix: arange(first index, stride), lane by lane
+        for got in (out, plain_out):
+            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

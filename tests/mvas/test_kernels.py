@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from macroarch._weak import WeakById
-from macroarch.mvas import codegen, compiled, guard, kernels, plan_from_rules
+from macroarch.mvas import codecs, codegen, compiled, guard, kernels, plan_from_rules
 from macroarch.mvas.formats import FORMATS, pack
 from macroarch.mvas.optim import MVASAdamW, _min_subnormal
 from macroarch.mvas.store import apply
@@ -103,6 +103,24 @@ def _step_compiled_and_eager(step, n):
     for (payload, scales), (payload_e, scales_e) in zip((w, m, v), twin):
         _codes_close(payload, payload_e, scales, "fp8_e4m3")
         torch.testing.assert_close(scales, scales_e, rtol=4 * 2.0 ** -23, atol=0)  # a few ulps
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1"])
+def test_the_steps_square_root_block_maxima_taken_from_v_encode_as_the_blocks_own(fmt):
+    """The step encodes sqrt(v) with its blocks' maxima taken as the square roots of v's (a monotonic, correctly
+    rounded square root): the same scales and codes as maxima of the square roots, for v from zero and float32's
+    subnormals to 1e30, blocks of one magnitude and blocks spanning many."""
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-149, 100, (64, 1), generator=gen).float()
+    spread = torch.rand(64, 128, generator=gen) * torch.randint(0, 60, (64, 1), generator=gen)
+    v = (torch.rand(64, 128, generator=gen) * torch.exp2(exponents - spread)).view(-1)
+    v[:128] = 0.0
+    v[128:256] = torch.finfo(torch.float32).smallest_normal * torch.rand(128, generator=gen)  # subnormals
+    root = v.sqrt()
+    expected = codecs.encode(root, fmt, 128)
+    got = codecs.encode(root, fmt, 128, absmax=v.view(-1, 128).amax(dim=-1).sqrt())
+    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
 
 
 @pytest.mark.slow
