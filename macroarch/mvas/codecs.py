@@ -245,9 +245,8 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None,
-           noise: torch.Tensor | None = None, absmax: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None, noise: torch.Tensor | None = None,
+           absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The storage of ``x`` (float32, finite for scaled formats) in ``fmt``: ``(payload, scales)``, blocks cut
     along the last dimension (flat for ``pack``; rows of whole blocks in ``macroarch.mvas.kernels``).
 
@@ -264,9 +263,7 @@ def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None,
         scales = (blocks.abs().amax(dim=-1) if absmax is None else absmax.view(blocks.shape[:-1])) / fmt.max_normal
     else:
         scales = torch.zeros(blocks.shape[:-1], device=x.device)
-    # an all-zero block stays zero; compiled, one divisor per block is stored, where Inductor recomputed it (a load, a
-    # division, a compare and a select) for every vector of the block it divides (``_stored_once``; measured on one
-    # core, MVASAdamW with fp8 weights, 2^20 elements: 0.86-0.89 -> 0.91-0.93 of foreach AdamW's speed)
+    # an all-zero block stays zero; compiled, stored once (Inductor recomputed it per vector: kernels' docstring)
     divisor = _stored_once(torch.where(scales > 0, scales, 1.0))
     y = (blocks / divisor[..., None]).clamp(-fmt.max_normal, fmt.max_normal).view(x.shape)
     if fmt.name == "fp4_e2m1":
@@ -276,17 +273,12 @@ def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None,
 
 def _stored_once(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself; compiled by ``macroarch.mvas.kernels``, a buffer Inductor computes and stores once
-    (``inductor_force_stride_order``), where it would recompute ``t`` in every loop, and every vector, that reads it
-    (the step's new moments: block maxima and encoding, two fp8 decodes and a square root more per element; a block's
-    divisor: a division per vector). The same bytes. A trace before the kernels' first compilation (the user's, which
-    may not have Inductor's prims registered) leaves ``t``."""
+    (``inductor_force_stride_order``) where it would recompute ``t`` in every loop and vector that reads it (the step's
+    new moments, a block's divisor). The same bytes. A trace before the kernels' first compilation leaves ``t``."""
     if not torch.compiler.is_compiling():
         return t
     from macroarch.mvas import compiled  # here, not at the top: compiled imports this module (through guard)
-
-    if not compiled._PRIMS:
-        return t
-    return torch.ops.prims.inductor_force_stride_order(t, t.stride())
+    return torch.ops.prims.inductor_force_stride_order(t, t.stride()) if compiled._PRIMS else t
 
 
 def cast(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

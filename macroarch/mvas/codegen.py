@@ -61,6 +61,16 @@ context it is the first index broadcast plus ``arange(0, stride)``, a constant: 
 instructions. Measured on one core, ``MVASAdamW`` with fp8 weights on 2^20 elements: 0.78-0.81 -> 0.86-0.89 of
 foreach AdamW's speed.
 
+**Max and min with a constant** (same context). ATen's vector ``maximum``/``minimum`` are IEEE's: NaN from either
+side, four instructions (the max, an unordered compare, the mask made a vector, an or). Every encoding clamps to the
+format's range, two of them per element. Where one side is a constant that is finite and nonzero (its value range, which
+Inductor knows for the scalar, is kept on the vector it is broadcast to), only the other side can be NaN, and ATen's
+``clamp_min``/``clamp_max`` put the constant first, so the instruction returns the other side's value on NaN: one
+instruction, eager's bits, NaN's payload too (ATen's own gives all ones). A zero constant is left alone (-0.0 and
++0.0 compare equal, and the instruction would pick the other side's zero). Measured on one core, ``MVASAdamW`` with fp8
+weights on 2^20 elements, four alternating runs of each: 0.89-1.02 (mean 0.96) -> 0.97-0.99 (0.98) of foreach AdamW's
+speed.
+
 The fix changes generated code that Inductor's cache key does not see, so the kernels compile with a graph pass that
 does nothing and whose ``uuid`` names the fix (``post_grad_custom_post_pass``: Inductor's documented way to put a
 custom pass into the key): a cache entry written without the fix is never read back with it, nor the reverse. Where
@@ -72,6 +82,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,7 +91,8 @@ __all__ = ["options", "vec_isa", "vector_bitcasts"]
 _FIX = ("macroarch.mvas.codegen: vector bit casts between 32-bit types (at::vec::cast), 1; "
         "int32/int16 to uint8 through int8 on AVX-512, by saturating packs on AVX2, 1; int16 loops vectorised, 1; "
         "fp8 e4m3 to float through fp16 on AVX-512, 2; fp8 e5m2 to two float vectors, 2; "
-        "bit casts between 1-byte types on AVX-512, 1; integer arange as a broadcast plus constant lanes, 1")
+        "bit casts between 1-byte types on AVX-512, 1; integer arange as a broadcast plus constant lanes, 1; "
+        "float max/min with a constant as one instruction, 1")
 
 
 def vec_isa() -> str:
@@ -149,6 +161,20 @@ _AVX2_BYTES = {
 }
 
 
+def _nonzero_constant(var: Any) -> bool:
+    """Whether an Inductor C++ variable is known to hold one finite, nonzero float32 value (its value range is that
+    value: a constant, or its broadcast inside ``vector_bitcasts``)."""
+    import torch
+
+    bounds = getattr(var, "bounds", None)
+    lower, upper = getattr(bounds, "lower", None), getattr(bounds, "upper", None)
+    try:
+        return (getattr(var, "dtype", None) == torch.float32 and lower is not None and bool(lower == upper)
+                and math.isfinite(float(lower)) and float(lower) != 0.0)
+    except (TypeError, ValueError):  # a symbolic bound
+        return False
+
+
 @contextlib.contextmanager
 def vector_bitcasts() -> Iterator[None]:
     """Generate the kernels' C++ with vector bit casts and byte narrowing (module docstring); a no-op where the patch
@@ -169,9 +195,10 @@ def vector_bitcasts() -> Iterator[None]:
 
 @functools.cache
 def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | None:
-    """((owner, attribute, original, replacement) for ``CppVecOverrides.to_dtype_bitcast``,
-    ``CppVecKernel.get_to_dtype_expr``, the list of dtypes Inductor vectorises and ``CppVecKernel.arange``, the
-    cache-key pass), or None where Inductor's C++ code generation does not have the shape this fix was written for."""
+    """((owner, attribute, original, replacement) for ``CppVecOverrides.to_dtype_bitcast``, ``.maximum`` and
+    ``.minimum``, ``CppVecKernel.get_to_dtype_expr``, ``.arange`` and ``.broadcast`` and the list of dtypes Inductor
+    vectorises, the cache-key pass), or None where Inductor's C++ code generation does not have the shape this fix was
+    written for."""
     try:
         from torch._inductor.codegen import cpp
         from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -183,7 +210,11 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
     to_dtype_expr = vars(kernel_type).get("get_to_dtype_expr") if kernel_type is not None else None
     vectorizable = getattr(cpp, "VECTORIZABLE_DTYPES", None)
     original_arange = vars(kernel_type).get("arange") if kernel_type is not None else None
+    original_broadcast = vars(kernel_type).get("broadcast") if kernel_type is not None else None
+    maximum, minimum = (vars(overrides).get(name) if overrides is not None else None for name in ("maximum", "minimum"))
     if not isinstance(original, staticmethod) or not callable(to_dtype_expr) or not callable(original_arange) or \
+            not callable(original_broadcast) or not isinstance(maximum, staticmethod) or \
+            not isinstance(minimum, staticmethod) or \
             not hasattr(kernel_type, "_get_num_vectors") or not hasattr(cpp, "DTYPE_TO_CPP") or \
             not isinstance(vectorizable, list):
         return None
@@ -228,6 +259,24 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
         csevar.dtype, csevar.is_vec = index.dtype, True
         return csevar
 
+    def broadcast(self: Any, scalar: Any) -> Any:
+        vector = original_broadcast(self, scalar)
+        if _nonzero_constant(scalar) and self._get_num_vectors(torch.float32) == 1:
+            vector.bounds = scalar.bounds  # the one value in every lane: what maximum/minimum below look for
+        return vector
+
+    def bound(clamp: str, ieee: Any) -> Any:
+        def op(a: Any, b: Any) -> Any:
+            if getattr(a, "dtype", None) == getattr(b, "dtype", None) == torch.float32:
+                if _nonzero_constant(b) and not _nonzero_constant(a):
+                    return f"at::vec::{clamp}({a}, {b})"
+                if _nonzero_constant(a) and not _nonzero_constant(b):
+                    return f"at::vec::{clamp}({b}, {a})"
+            return ieee.__func__(a, b)
+
+        op.__name__ = ieee.__func__.__name__
+        return staticmethod(op)
+
     to_dtype_bitcast.__name__ = "to_dtype_bitcast"
     get_to_dtype_expr.__name__ = "get_to_dtype_expr"
 
@@ -243,5 +292,8 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
     replaced = ((overrides, "to_dtype_bitcast", original, staticmethod(to_dtype_bitcast)),
                 (kernel_type, "get_to_dtype_expr", to_dtype_expr, get_to_dtype_expr),
                 (cpp, "VECTORIZABLE_DTYPES", vectorizable, [*vectorizable, torch.int16]),
-                (kernel_type, "arange", original_arange, arange))
+                (kernel_type, "arange", original_arange, arange),
+                (kernel_type, "broadcast", original_broadcast, broadcast),
+                (overrides, "maximum", maximum, bound("clamp_min", maximum)),
+                (overrides, "minimum", minimum, bound("clamp_max", minimum)))
     return replaced, _Key()

@@ -43,11 +43,10 @@ are in the notes of issue 14). Inductor turns each op into vector code only wher
   and a stochastically rounded fp8 weight's code comes from its bits (``codecs._fp8_by_arithmetic``), its sign by
   integer ops (``codecs._round_elementwise``; Inductor called Sleef's ``copysign`` per vector): an fp8 read of a
   672 x 256 weight into bf16 51 -> 30 us, the fp8 step on 8 tensors of 2^21 elements 75-81 -> 66-67 ms (one core).
-- the noise hash's element indices are the first index broadcast plus constant lanes (``macroarch.mvas.codegen``;
-  Inductor built them from one scalar per lane), each block's divisor is stored once (``codecs.encode``; Inductor
-  recomputed it for every vector), and sqrt(v)'s block maxima come from v in the loop that updates it (no pass over
-  the stored sqrt(v)): ``MVASAdamW`` with fp8 weights on 2^20 elements, 0.78-0.81 -> 0.93-0.99 of foreach AdamW's
-  speed on one core of a second machine (Xeon, AVX-512 without bf16; each step in its own run, five runs).
+- element indices are a broadcast plus constant lanes, max/min with a constant one instruction (``codegen``), a block's
+  divisor is stored once (Inductor recomputed it per vector: 0.86-0.89 -> 0.91-0.93 of foreach), sqrt(v)'s block maxima
+  come from v in the loop that updates it (a pass over the stored sqrt(v) before): ``MVASAdamW``, fp8 weights, 2^20
+  elements, one core of a second machine (AVX-512 without AMX), 0.78-0.81 -> 0.97-0.99 of foreach AdamW's speed.
 
 **Equality.** Stochastic rounding draws its noise from a counter-based hash (``counter_noise``: integer
 arithmetic on the element index, the tensor's key and the step), which the compiler cannot change, so the
@@ -196,10 +195,8 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
         if scales is not None:
             weight[1].copy_(scales.view(weight[1].shape))
     if spec.state_format != "fp32":
-        # sqrt(v)'s block maxima as the square roots of v's: the same values (a correctly rounded square root is
-        # monotonic, and v >= +0), from the loop that updates v, where a reduction over the stored sqrt(v) is a pass of
-        # its own over it (Inductor fuses no reduction after another's output; measured on one core, MVASAdamW with fp8
-        # weights, 2^20 elements: 8% of the step in perf; 0.91-0.93 -> 0.93-0.99 of foreach AdamW's speed)
+        # sqrt(v)'s block maxima as the roots of v's (the same values: sqrt is monotonic, v >= +0), from the loop that
+        # updates v: over the stored sqrt(v) they took a pass of their own (module docstring)
         root_max = None
         if spec.state_block is not None and get_format(spec.state_format).block_scaled:
             root_max = v.view(*v.shape[:-1], -1, spec.state_block).amax(dim=-1).sqrt()

@@ -159,3 +159,26 @@ def test_integer_indices_are_a_broadcast_plus_constant_lanes_with_the_same_value
         assert "::arange(0, " not in plain  # torch 2.14 without the fix: arange(first index, stride), lane by lane
         for got in (out, plain_out):
             assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def _clamped(x):  # a clamp to constants (every encode), a maximum with zero (left as Inductor writes it), a maximum
+    return x.clamp(-448.0, 448.0), torch.maximum(x, torch.zeros(())), torch.maximum(x, x.flip(0))  # of two tensors
+
+
+def test_max_and_min_with_a_nonzero_constant_are_one_instruction_that_keeps_nan_and_signed_zeros():
+    """IEEE maximum/minimum are four instructions each in ATen's vector code (max, an unordered compare, a mask to a
+    vector, an or: NaN from either side). With a constant that is not NaN only the other side can be NaN, and
+    ``clamp_min``/``clamp_max`` (the constant first: the instruction returns its second operand, the tensor's value,
+    on NaN) give eager's bits in one, NaN's too; with a zero constant -0.0 and +0.0 could differ, so that stays."""
+    x = torch.randn(1 << 12) * 1000
+    x[:6] = torch.tensor([float("nan"), -float("nan"), 0.0, -0.0, 448.0, -448.0])
+    x[6:9] = torch.tensor([float("inf"), -float("inf"), 448.00003])
+    expected = _clamped(x)
+    plain_out, plain = _generated(_clamped, x, _plain_options())
+    with codegen.vector_bitcasts():
+        out, code = _generated(_clamped, x, codegen.options())
+    assert "at::vec::clamp_min(" in code and "at::vec::clamp_max(" in code and "clamp_m" not in plain
+    assert code.count("at::vec::maximum(") == 2  # the zero constant and the two tensors
+    assert all(torch.equal(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(out, expected, strict=True))
+    for g, e in zip(plain_out, expected, strict=True):  # the same values; ATen's NaN is all ones (0xFFFFFFFF), where
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)  # the clamp and eager keep x's NaN
