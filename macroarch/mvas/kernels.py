@@ -197,9 +197,8 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
     if spec.state_format != "fp32":
         # sqrt(v)'s block maxima as the roots of v's (the same values: sqrt is monotonic, v >= +0), from the loop that
         # updates v: over the stored sqrt(v) they took a pass of their own (module docstring)
-        root_max = None
-        if spec.state_block is not None and get_format(spec.state_format).block_scaled:
-            root_max = v.view(*v.shape[:-1], -1, spec.state_block).amax(dim=-1).sqrt()
+        root_max = None if spec.state_block is None else \
+            v.view(*v.shape[:-1], -1, spec.state_block).amax(dim=-1).sqrt()
         for (payload, scales), value, absmax in ((exp_avg, _stored_once(m), None),
                                                  (exp_avg_sq, _stored_once(v.sqrt()), root_max)):
             new_payload, new_scales = encode(value, spec.state_format, spec.state_block, absmax=absmax)
