@@ -2,15 +2,14 @@
 fp8 and fp4 codes, and ``encode`` / ``decode``, pure functions that ``macroarch.mvas.formats`` (``pack``,
 ``PackedTensor``) runs eagerly and ``macroarch.mvas.kernels`` compiles.
 
-**Stochastic rounding** (``rounding="stochastic"``, draws from an explicit ``torch.Generator``): a value
-between the two neighbouring representable values lo < x < hi goes to hi with probability
-(x - lo) / (hi - lo), so E[q(x)] = x for every x in range. It is done on float32 bit patterns: a uniform
-integer added below the kept mantissa bits carries into them with exactly that probability (the
-subnormal range uses floor(x / spacing + u)); the result is a value the format represents, then cast.
-Values beyond bf16/fp16's finite range round to nearest (torch's cast: inf); scaled formats never exceed
-their range. Rounding is computed in float32. ``pack`` draws the noise from an explicit ``torch.Generator``;
-``encode`` / ``decode`` are the same arithmetic as pure functions of (values, noise) and (payload, scales),
-which ``macroarch.mvas.kernels`` compiles (there the noise is a counter-based hash).
+**Stochastic rounding** (``rounding="stochastic"``): a value between the two neighbouring representable values
+lo < x < hi goes to hi with probability (x - lo) / (hi - lo), so E[q(x)] = x for every x in range. It is done on
+float32 bit patterns: a uniform integer added below the kept mantissa bits carries into them with exactly that
+probability (the subnormal range uses floor(x / spacing + u)); the result is a value the format represents, then
+cast. Values beyond bf16/fp16's finite range round to nearest (torch's cast: inf); scaled formats never exceed their
+range. ``pack`` draws the noise from an explicit ``torch.Generator``; ``encode`` / ``decode`` are the same arithmetic
+as pure functions of (values, noise) and (payload, scales), which ``macroarch.mvas.kernels`` compiles (there the
+noise is a counter-based hash).
 """
 
 from __future__ import annotations
@@ -211,12 +210,9 @@ def _fp8_values(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def _round_e2m1(y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-    """``y`` (float32, |y| <= 6) as e2m1 codes (uint8, 0..15; bit 3 the sign).
-
-    e2m1 is a float with 1 mantissa bit, exponents 0..2 and subnormal spacing 0.5, so rounding is that of
-    ``_stochastic_magnitude`` (or, ``noise`` None, round-half-to-even on the same grid), and the code of a grid
-    value q is 2q below 1, else 2 * (exponent + 1) + mantissa bit, read from q's float32 bits.
-    """
+    """``y`` (float32, |y| <= 6) as e2m1 codes (uint8, 0..15; bit 3 the sign). e2m1 is a float with 1 mantissa bit,
+    exponents 0..2 and subnormal spacing 0.5, so rounding is that of ``_stochastic_magnitude`` (or, ``noise`` None,
+    half to even on the same grid); a grid value q's code is 2q below 1, else 2 * (exponent + 1) + mantissa bit."""
     a = y.abs()
     if noise is None:
         bits = a.view(torch.int32)
@@ -272,9 +268,8 @@ def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None, noise: to
 
 
 def _stored_once(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself; compiled by ``macroarch.mvas.kernels``, a buffer Inductor computes and stores once
-    (``inductor_force_stride_order``) where it would recompute ``t`` in every loop and vector that reads it (the step's
-    new moments, a block's divisor). The same bytes. A trace before the kernels' first compilation leaves ``t``."""
+    """``t``; compiled by ``macroarch.mvas.kernels``, a buffer Inductor stores once (``inductor_force_stride_order``)
+    where it would recompute ``t`` in every loop and vector that reads it (the step's new moments, a block's divisor)."""
     if not torch.compiler.is_compiling():
         return t
     from macroarch.mvas import compiled  # here, not at the top: compiled imports this module (through guard)
@@ -282,9 +277,8 @@ def _stored_once(t: torch.Tensor) -> torch.Tensor:
 
 
 def cast(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An unscaled payload (fp32, bf16, fp16) as a new tensor of ``dtype``. Between two 16-bit dtypes through
-    float32: the same values (fp16 and bf16 widen to float32 exactly, and torch's direct cast rounds from float32
-    too), 2-3x faster (measured, torch 2.14: the direct fp16 -> bf16 cast is not vectorised)."""
+    """An unscaled payload (fp32, bf16, fp16) as a new tensor of ``dtype``; between 16-bit dtypes through float32 (the
+    same values, 2-3x faster: torch 2.14's direct fp16 -> bf16 cast is not vectorised)."""
     if payload.dtype == dtype:
         return payload.clone()
     if payload.element_size() == 2 and dtype.itemsize == 2:
@@ -302,6 +296,8 @@ def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str | Format
     fmt = get_format(fmt)
     if (fmt.name == "fp4_e2m1" and payload.dim() > 1 and scales is not None and block_size is not None
             and block_size % 2 == 0 and torch.compiler.is_compiling()):
+        if dtype == torch.float32:
+            return _decode_e2m1_elements(payload, scales, block_size)
         return _decode_e2m1_rows(payload, scales, block_size, dtype)
     if fmt.name == "fp4_e2m1":
         values = _decode_e2m1(payload, numel)
@@ -343,8 +339,7 @@ def _decode_e2m1(payload: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _decode_e2m1_arithmetic(payload: torch.Tensor, numel: int) -> torch.Tensor:
-    """The byte table's values computed from the codes (``_e2m1_values``), low nibble first; rows of bytes give
-    rows. Integer arithmetic and conversions: no gather, no float select chain (3x faster compiled)."""
+    """The byte table's values from the codes (``_e2m1_values``: 3x faster compiled than a gather), low nibble first."""
     codes = payload.to(torch.int32)
     values = torch.stack([_e2m1_values(codes & 0xF), _e2m1_values(codes >> 4)], dim=-1)
     if payload.dim() == 1:
@@ -353,14 +348,10 @@ def _decode_e2m1_arithmetic(payload: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``decode`` of fp4 rows (bytes) with an even ``block_size``, compiled: each nibble of a byte is scaled on its
-    own and the two are interleaved last, so Inductor writes the result in one pass of vector code (the values
-    interleaved first were written to an int32 buffer a lane at a time, then read again: 187 -> 89 us for 172K
-    elements to bf16, one core). Interleaved by ``torch.stack``, Inductor still writes each value on its own (a
-    vector stored to an array, then sixteen scalar stores two apart); a float32 or bf16 result is written as one
-    integer lane per pair instead: int64 lanes of two float32 bit patterns, int32 lanes of two bf16 ones (measured,
-    172K elements to bf16, one core: 112 -> 72 us, now faster than fp8's 80).
-    The same values as ``decode``'s other path: the scaling is one rounding, the cast to bf16 the same rounding."""
+    """``decode`` of fp4 rows (bytes) with an even ``block_size`` into a 16-bit type, compiled: each nibble scaled on
+    its own, the two interleaved last, so Inductor writes the result in one pass of vector code (interleaved first:
+    187 -> 89 us for 172K elements to bf16, one core); bf16 pairs as one int32 lane each (a ``torch.stack`` is stored
+    a lane at a time: 112 -> 72 us). The same values as ``decode``'s other path (one rounding, the same cast)."""
     codes = payload.to(torch.int32)
     lead = payload.shape[:-1]
     per_block = scales.view(*lead, -1)[..., None]  # (..., n_blocks, 1): both nibbles of a byte share a block
@@ -370,13 +361,22 @@ def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: i
         return values.view(nibbles.shape)
 
     low, high = half(codes & 0xF), half(codes >> 4)
-    if dtype == torch.float32:  # each pair as one int64 lane, low value first (little-endian)
-        pairs = (low.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (high.view(torch.int32).to(torch.int64) << 32)
-        return pairs.view(torch.float32).view(*lead, -1)
     if dtype == torch.bfloat16:  # each pair of bf16 bit patterns as one int32 lane
         pairs = (_bf16_bits(low) & 0xFFFF) | (_bf16_bits(high) << 16)
         return pairs.view(torch.bfloat16).view(*lead, -1)
     return torch.stack([low.to(dtype), high.to(dtype)], dim=-1).view(*lead, -1)
+
+
+def _decode_e2m1_elements(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``decode`` of fp4 rows into float32, compiled: element ``i`` reads byte ``i // 2`` (half as many bytes loaded,
+    each twice: ``macroarch.mvas.codegen``) and shifts its nibble down, so the step decodes its weight in its own loop
+    (pairs of float32 as int64 lanes took a kernel of their own, ~12% of the step); 172K elements 104-116 -> 76-79 us
+    (one AVX-512 core; AVX2 332-373 -> 122-125). Into bf16 Inductor's 32-lane loop is 7x slower: pairs there."""
+    lead = payload.shape[:-1]
+    codes = payload[..., None].expand(*payload.shape, 2).reshape(*lead, -1).to(torch.int32)
+    shift = (torch.arange(codes.shape[-1], dtype=torch.int32, device=codes.device) & 1) << 2
+    values = _e2m1_values((codes >> shift) & 0xF)
+    return (values.view(*lead, -1, block_size) * scales.view(*lead, -1)[..., None]).view(values.shape)
 
 
 def _bf16_bits(x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ CPU, Triton on CUDA), which fuses it into a few loops over the bytes:
   to nearest) and the weight (stochastic rounding, or nearest from an fp32 master) and write them back in place.
 
 **Compilation, the cache and the guard** (``macroarch.mvas.compiled``): one compiled kernel per storage
-combination, not per tensor; ``compile=False`` or ``MACROARCH_COMPILE=0`` runs the eager path, which also runs
-wherever a compiled kernel cannot; the first compiled call of each kernel is checked against the eager path.
+combination, not per tensor; ``compile=False`` or ``MACROARCH_COMPILE=0`` runs the eager path, as does any call a
+kernel cannot take; the first compiled call of each kernel is checked against the eager path.
 
 **What the compiled code is made of** (measured on one core, torch 2.14, 2^22 elements per call; the numbers
 are in the notes of issue 14). Inductor turns each op into vector code only where ATen's vector library has it:
@@ -34,10 +34,11 @@ are in the notes of issue 14). Inductor turns each op into vector code only wher
 - Inductor's AVX2 code inverts ``torch.where`` on an int32 comparison with int32 branches (every lane takes the
   wrong branch; AVX-512 is right): the kernels select by masks there instead, and the first-call check below
   caught it before any weight was written;
-- the step's new moments are stored once and read back (``_stored_once``) instead of recomputed by each loop that
-  reads them: 5-10% of the step;
-- fp4 values are interleaved as one integer lane per pair (``codecs._decode_e2m1_rows``) and fp4 codes packed by a
-  vectorised int16 loop (``macroarch.mvas.codegen``): the fp4 dequantisation 0.65 -> 0.42 ns per element.
+- the step's new moments are stored once (``_stored_once``), not recomputed by each loop that reads them: 5-10%;
+- fp4 values into bf16 are interleaved as one integer lane per pair (``codecs._decode_e2m1_rows``), into float32
+  read byte ``i // 2`` for element ``i`` (``_decode_e2m1_elements``; one vector load in ``codegen``), so the step's
+  weight decodes in its main loop, not a kernel of its own (fp4 weights, 2^20-2^22 elements, one core: 0.77-0.90 ->
+  0.81-1.01 of foreach AdamW's speed); codes are packed by a vectorised int16 loop (``codegen``).
 - fp8 e4m3 codes become floats through fp16 in the kernels' C++ (``macroarch.mvas.codegen``: ATen's conversion
   branches on subnormals, and has none from one vector of codes into two of floats, which a read into bf16 needs),
   and a stochastically rounded fp8 weight's code comes from its bits (``codecs._fp8_by_arithmetic``), its sign by

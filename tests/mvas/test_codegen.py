@@ -2,6 +2,8 @@
 
 Each test compiles a small function with a fresh Inductor cache (a few seconds of C++ compilation): marked slow."""
 
+import re
+
 import pytest
 import torch
 from torch._inductor.codegen.cpp import CppVecKernel, CppVecOverrides
@@ -182,3 +184,29 @@ def test_max_and_min_with_a_nonzero_constant_are_one_instruction_that_keeps_nan_
     assert all(torch.equal(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(out, expected, strict=True))
     for g, e in zip(plain_out, expected, strict=True):  # the same values; ATen's NaN is all ones (0xFFFFFFFF), where
         torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)  # the clamp and eager keep x's NaN
+
+
+def _nibbles(payload, scales):  # fp4 bytes read element by element (the step's weight: codecs._decode_e2m1_elements),
+    shifted = payload[..., None].expand(*payload.shape, 2).reshape(payload.shape[0], -1).to(torch.int32)  # and a byte
+    odd = torch.arange(shifted.shape[-1], dtype=torch.int32) & 1  # read at an index that is not i // 2 (left alone)
+    values = ((shifted >> (odd << 2)) & 0xF).float().view(payload.shape[0], -1, 32) * scales[..., None]
+    return values.view(payload.shape[0], -1), payload.flip(-1).to(torch.int32)
+
+
+@pytest.mark.skipif(codegen.vec_isa().split()[0] not in ("avx512", "avx2"), reason="AVX-512 and AVX2 only")
+def test_bytes_read_by_two_elements_each_are_one_vector_load_with_the_same_values():
+    """Element i of a row reading byte i // 2 (an fp4 payload decoded element by element): Inductor fills a vector
+    from sixteen scalar loads (an array, then a vector load that waits on the stores); inside the context half as many
+    bytes are loaded and each interleaved with itself. Run under ``ATEN_CPU_CAPABILITY=avx2`` too."""
+    gen = torch.Generator().manual_seed(0)
+    payload = torch.randint(0, 256, (64, 64), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(64, 4, generator=gen)
+    expected = _nibbles(payload, scales)
+    plain_out, plain = _generated(_nibbles, (payload, scales), _plain_options())
+    with codegen.vector_bitcasts():
+        out, code = _generated(_nibbles, (payload, scales), codegen.options())
+    assert code.count("_mm_unpacklo_epi8(b, b)") == 1 and "_mm_unpacklo_epi8" not in plain
+    halved = re.compile(r"div_floor_integer\(static_cast<int64_t>\((x\d) \+ \1_inner\), static_cast<int64_t>\(2L\)\)")
+    assert halved.search(plain) and not halved.search(code)  # torch 2.14 without the fix: a lane at a time
+    for got in (out, plain_out):
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
