@@ -268,8 +268,8 @@ def encode(x: torch.Tensor, fmt: str | Format, block_size: int | None, noise: to
 
 
 def _stored_once(t: torch.Tensor) -> torch.Tensor:
-    """``t``; compiled by ``macroarch.mvas.kernels``, a buffer Inductor stores once (``inductor_force_stride_order``)
-    where it would recompute ``t`` in every loop and vector that reads it (the step's new moments, a block's divisor)."""
+    """``t``; compiled (``macroarch.mvas.kernels``), a buffer Inductor stores once (``inductor_force_stride_order``)
+    where it would recompute ``t`` in every loop and vector reading it (the step's new moments, a block's divisor)."""
     if not torch.compiler.is_compiling():
         return t
     from macroarch.mvas import compiled  # here, not at the top: compiled imports this module (through guard)
@@ -287,16 +287,16 @@ def cast(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str | Format, block_size: int | None,
-           numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+           numel: int, dtype: torch.dtype = torch.float32, *, by_pairs: bool = False) -> torch.Tensor:
     """``numel`` elements stored as ``payload`` and ``scales`` in ``fmt``, as a new tensor of ``dtype`` (the
     arithmetic of ``PackedTensor.dequantize_range`` in float32, then the cast; compiled by
     ``macroarch.mvas.kernels``): flat, or, for a payload of rows (whole blocks each, ``numel`` elements in all),
     rows with ``scales`` of rows too. An fp8 payload may be given as its bytes (uint8), as the compiled kernels pass
-    it on CPUs without AVX-512."""
+    it on CPUs without AVX-512. ``by_pairs``: compiled fp4 rows into float32 as pairs (``_decode_e2m1_rows``)."""
     fmt = get_format(fmt)
     if (fmt.name == "fp4_e2m1" and payload.dim() > 1 and scales is not None and block_size is not None
             and block_size % 2 == 0 and torch.compiler.is_compiling()):
-        if dtype == torch.float32:
+        if dtype == torch.float32 and not by_pairs:
             return _decode_e2m1_elements(payload, scales, block_size)
         return _decode_e2m1_rows(payload, scales, block_size, dtype)
     if fmt.name == "fp4_e2m1":
@@ -348,10 +348,10 @@ def _decode_e2m1_arithmetic(payload: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``decode`` of fp4 rows (bytes) with an even ``block_size`` into a 16-bit type, compiled: each nibble scaled on
-    its own, the two interleaved last, so Inductor writes the result in one pass of vector code (interleaved first:
-    187 -> 89 us for 172K elements to bf16, one core); bf16 pairs as one int32 lane each (a ``torch.stack`` is stored
-    a lane at a time: 112 -> 72 us). The same values as ``decode``'s other path (one rounding, the same cast)."""
+    """``decode`` of fp4 rows (bytes) with an even ``block_size``, compiled: each nibble scaled on its own, the two
+    interleaved last, so Inductor writes the result in one pass of vector code (interleaved first: 187 -> 89 us for
+    172K elements to bf16, one core); pairs as one integer lane each, int32 of bf16, int64 of float32 (a ``torch.stack``
+    is stored a lane at a time: 112 -> 72 us). The same values as ``decode``'s other path (one rounding, one cast)."""
     codes = payload.to(torch.int32)
     lead = payload.shape[:-1]
     per_block = scales.view(*lead, -1)[..., None]  # (..., n_blocks, 1): both nibbles of a byte share a block
@@ -361,6 +361,9 @@ def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: i
         return values.view(nibbles.shape)
 
     low, high = half(codes & 0xF), half(codes >> 4)
+    if dtype == torch.float32:  # each pair as one int64 lane, low value first (little-endian)
+        pairs = (low.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (high.view(torch.int32).to(torch.int64) << 32)
+        return pairs.view(torch.float32).view(*lead, -1)
     if dtype == torch.bfloat16:  # each pair of bf16 bit patterns as one int32 lane
         pairs = (_bf16_bits(low) & 0xFFFF) | (_bf16_bits(high) << 16)
         return pairs.view(torch.bfloat16).view(*lead, -1)
@@ -369,9 +372,10 @@ def _decode_e2m1_rows(payload: torch.Tensor, scales: torch.Tensor, block_size: i
 
 def _decode_e2m1_elements(payload: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
     """``decode`` of fp4 rows into float32, compiled: element ``i`` reads byte ``i // 2`` (half as many bytes loaded,
-    each twice: ``macroarch.mvas.codegen``) and shifts its nibble down, so the step decodes its weight in its own loop
-    (pairs of float32 as int64 lanes took a kernel of their own, ~12% of the step); 172K elements 104-116 -> 76-79 us
-    (one AVX-512 core; AVX2 332-373 -> 122-125). Into bf16 Inductor's 32-lane loop is 7x slower: pairs there."""
+    each twice: ``macroarch.mvas.codegen``) and shifts its nibble down: 172K elements 104-116 -> 76-79 us against pairs
+    (one AVX-512 core; AVX2 332-373 -> 122-125), and the step decodes its weight in its main loop, not a kernel of its
+    own (~12% of the step). Not into bf16 (Inductor's 32-lane loop: 7x slower), nor in the step under AVX2 (Inductor
+    then vectorises the weight's block maxima across blocks: 0.30 -> 0.15 of foreach AdamW's speed)."""
     lead = payload.shape[:-1]
     codes = payload[..., None].expand(*payload.shape, 2).reshape(*lead, -1).to(torch.int32)
     shift = (torch.arange(codes.shape[-1], dtype=torch.int32, device=codes.device) & 1) << 2
@@ -386,13 +390,10 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_values(code: torch.Tensor) -> torch.Tensor:
-    """The float32 value of e2m1 ``code`` (int32, 0..15), by integer arithmetic and one conversion, no bit cast
-    (Inductor bit-casts through memory, where each vector waits for its store: 2x slower). Magnitude code c = 2e + m
-    is 2^(e - 1)(1 + m/2) = ((2 + m) << e) / 4 for c >= 2, and c / 2 = (c << 1) / 4 below; bit 3 is the sign
-    (code 8 is -0.0, as in the table: the sign is a float product)."""
+    """The float32 value of e2m1 ``code`` (int32, 0..15) by integer arithmetic and one conversion: magnitude code
+    c = 2e + m is ((2 + m) << e) / 4 for c >= 2, (c << 1) / 4 below; bit 3 the sign (code 8 is -0.0, as the table)."""
     magnitude = code & 7
-    # a select by masks, not torch.where: Inductor's AVX2 code (torch 2.14) inverts ``where`` on an int32
-    # comparison with int32 branches (measured: ``where(m >= 2, m + 1, m)`` picks the wrong branch in every lane)
+    # a select by masks: Inductor's AVX2 code (torch 2.14) inverts ``where`` on int32 compares with int32 branches
     normal = -((magnitude + 6) >> 3)  # all ones where magnitude >= 2, else 0
     quarters = (((2 + (magnitude & 1)) << (magnitude >> 1)) & normal) | ((magnitude << 1) & ~normal)
     sign = 1 - ((code >> 2) & 2)  # -1 where bit 3 is set

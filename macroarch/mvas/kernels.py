@@ -182,7 +182,7 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
     elif spec.weight_format == "dense":
         w = weight[0] if weight[0].dtype == torch.float32 else weight[0].float()
     else:
-        w = decode(weight[0], weight[1], spec.weight_format, spec.weight_block, n)
+        w = decode(weight[0], weight[1], spec.weight_format, spec.weight_block, n, by_pairs=_software_fp8(grad))
     adamw_update_(w, g, m, v, decay, avg_weight, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt)
     if spec.weight_format == "dense":
         if weight[0].dtype != torch.float32 or master is not None:
