@@ -19,14 +19,13 @@ kernel cannot take; the first compiled call of each kernel is checked against th
 are in the notes of issue 14). Inductor turns each op into vector code only where ATen's vector library has it:
 
 - the noise hash works in int32 lanes that wrap (int64 lanes took 1.4 of 7.4 ns per element of an fp8 step);
-- fp4 codes are built and read with integer shifts and masks (``codecs._round_e2m1``, ``_e2m1_values``): a
-  select on floats and ``torch.signbit`` were evaluated a lane at a time, 9.2 ns per element for the encoding
-  alone, now 1.3; the fp4 step went from 246 to 105 ms per 2^24 elements; an fp4 dequantisation scales and casts
-  each nibble of a byte before interleaving them (``codecs._decode_e2m1_rows``: one pass, 187 -> 89 us for 172K
-  elements);
+- fp4 codes are built and read with integer shifts and masks (``codecs._round_e2m1``, ``_e2m1_values``; a float
+  select and ``torch.signbit`` ran a lane at a time): the fp4 step 246 -> 105 ms per 2^24 elements; an fp4
+  dequantisation scales each nibble before interleaving (``codecs._decode_e2m1_rows``: 187 -> 89 us, 172K elements);
 - bit casts between float32 and int32 (stochastic rounding, block scales, codes) are vector casts in the kernels'
   C++ (``macroarch.mvas.codegen``; Inductor makes them a lane-by-lane copy through memory): the fp8 step 5.6 ->
   4.6 ns per element, the one with fp4 weights 8.3 -> 6.3 (2^20 elements);
+- AVX2's partial vector loads (bytes, bf16) go straight into the register (``codegen``): the AVX2 step 2x faster;
 - fp8 conversions are vectorised for AVX-512 only; elsewhere (AVX2) the kernels compute fp8 codes with integer
   arithmetic (``codecs._fp8_codes``, ``_fp8_values``), byte for byte torch's casts (442 -> 377 ms per fp8 step
   under AVX2 here), and the fp8 payloads enter the kernels as their bytes (``_as_bytes``), so that the compiled
