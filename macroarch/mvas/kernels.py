@@ -36,8 +36,8 @@ are in the notes of issue 14). Inductor turns each op into vector code only wher
 - the step's new moments are stored once (``_stored_once``), not recomputed by each loop that reads them: 5-10%;
 - fp4 values into bf16 are interleaved as one integer lane per pair (``codecs._decode_e2m1_rows``), into float32
   read byte ``i // 2`` for element ``i`` (``_decode_e2m1_elements``; one vector load in ``codegen``), so the step's
-  weight decodes in its main loop, not a kernel of its own (fp4 weights, 2^20-2^22 elements, one core: 0.77-0.90 ->
-  0.81-1.01 of foreach AdamW's speed); codes are packed by a vectorised int16 loop (``codegen``).
+  weight decodes in its main loop, not a kernel of its own (fp4 weights, 2^20-2^22 elements, one core: 0.77-0.99 ->
+  0.81-1.07 of foreach AdamW's speed); codes are packed by a vectorised int16 loop (``codegen``).
 - fp8 e4m3 codes become floats through fp16 in the kernels' C++ (``macroarch.mvas.codegen``: ATen's conversion
   branches on subnormals, and has none from one vector of codes into two of floats, which a read into bf16 needs),
   and a stochastically rounded fp8 weight's code comes from its bits (``codecs._fp8_by_arithmetic``), its sign by
@@ -181,6 +181,7 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
     elif spec.weight_format == "dense":
         w = weight[0] if weight[0].dtype == torch.float32 else weight[0].float()
     else:
+        # fp4 by pairs without AVX-512 (element by element, Inductor's AVX2 step is 2x slower: codecs' docstring)
         w = decode(weight[0], weight[1], spec.weight_format, spec.weight_block, n, by_pairs=_software_fp8(grad))
     adamw_update_(w, g, m, v, decay, avg_weight, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt)
     if spec.weight_format == "dense":
