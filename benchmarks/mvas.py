@@ -32,7 +32,9 @@ first ``--warmup`` steps are not timed and its first step is reported apart ("fi
 compilation where a variant compiles: torchao's step, MVAS's kernels). Each further ``--tokens`` count adds
 ``--size-warmup`` untimed and ``--timed-steps`` timed steps of each variant on batches of that many tokens; the
 median step is reported at every count, with its ratio to both references. ``torch._dynamo`` graphs compiled
-during the timed steps are counted: a recompile there would be timed, and the run says so.
+during the timed steps are counted: a recompile there would be timed, and the run says so. Where the time goes: each
+timed training step at the first ``--tokens`` count is split into forward, backward and optimizer step (with
+``zero_grad``), and the median of each phase is reported per variant (DGR's groups step inside backward).
 
 **torchao on CPU.** Its ``AdamW8bit``/``AdamW4bit`` compile ``single_param_adam`` with ``dynamic=False`` under
 ``disable_cache_limit``: one graph per distinct parameter shape and state kind (torch 2.14 / torchao 0.18,
@@ -81,7 +83,7 @@ from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.dgr import DGRWrapper
 from macroarch.experiments.hardware import machine_info
-from macroarch.experiments.loop import evaluate_lm, lm_step, train_round_robin
+from macroarch.experiments.loop import evaluate_lm, lm_loss, train_round_robin
 from macroarch.measure.memory import STATE_CATEGORIES, measure_step
 from macroarch.models import get_model_spec
 from macroarch.mvas import packable, plan_for_budget
@@ -300,9 +302,11 @@ def main(argv: list[str] | None = None) -> None:
         if v == EAGER:
             eager_ids.add(id(runs[v][0]))
 
+    phases: dict[int, list[tuple[float, float, float]]] = {id(model): [] for model, _ in runs.values()}
+
     def step(model, opt, batch):  # the eager variant's steps run with the MVAS kernels switched off
         with compile_switch(False if id(model) in eager_ids else None):
-            return lm_step(model, opt, batch)
+            return phased_lm_step(model, opt, batch, phases[id(model)])
 
     # warm-up (first step: allocation, compilation), then the timed training steps
     kernels_before = kernel_stats()
@@ -310,8 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     first_step = {v: logs[v].seconds[0] for v in variants}
     kernels_warm = kernel_stats()
     graphs = dynamo_graphs()
+    for record in phases.values():
+        record.clear()  # the phases of the timed steps only
     rest = train_round_robin(runs, train[args.warmup:], step=step, desc=f"training at {first} tokens per step",
                              mininterval=10)
+    phase_ms = {v: phase_medians(phases[id(runs[v][0])]) for v in variants}
     step_s = {first: {v: statistics_median(rest[v].seconds) for v in variants}}
     losses = {v: logs[v].losses + rest[v].losses for v in variants}
 
@@ -333,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         with compile_switch(False if v == EAGER else None):
             ev = evaluate_lm(inner, held_out)
         results[v] = dict(first_step_s=first_step[v], eval_loss=ev.loss, eval_accuracy=ev.accuracy,
+                          phases_ms=dict(zip(PHASES, phase_ms[v])),
                           final_train_loss=losses[v][-1], bytes_per_param=sum(state.values()) / n_params,
                           state_bytes=state, bytes_from=how)
 
@@ -370,6 +378,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"median step; x bf16+m / x fp32: {REFERENCE} / {FP32_REFERENCE} step time over the variant's (above 1 "
           f"is faster). Medians of {args.steps - args.warmup} steps at {first} tokens, of {args.timed_steps} at the "
           f"others. Fair reference on this CPU: {fair}.")
+    print()
+    print(format_table(["variant", *(f"{p} ms" for p in PHASES), "sum ms"], phase_rows(variants, phase_ms)))
+    print(f"where the time goes at {first} tokens per step: the median of each phase over the same steps (their sum "
+          "need not be the median step); DGR's groups step inside backward; optimizer step includes zero_grad")
     print(f"torch.compile graphs compiled during the timed steps: {recompiled}"
           + (" (recompiles were timed: run with TORCH_LOGS=recompiles to see why)" if recompiled else ""))
     if kernels is not None:
@@ -390,6 +402,34 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump(dict(config={k: v for k, v in vars(args).items()}, machine=info, fair_reference=fair,
                            n_params=n_params, recompiles_timed=recompiled, results=results), f, indent=2)
+
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+def phased_lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
+                   record: list[tuple[float, float, float]]) -> float:
+    """``experiments.loop.lm_step`` (forward with labels, backward, ``step()``, ``zero_grad``), appending the seconds
+    of its three phases (``PHASES``; ``zero_grad`` counted with the optimizer step) to ``record``; returns the loss."""
+    start = time.perf_counter()
+    loss = lm_loss(model, batch)
+    forward = time.perf_counter()
+    loss.backward()
+    backward = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    record.append((forward - start, backward - forward, time.perf_counter() - backward))
+    return loss.item()
+
+
+def phase_medians(record: list[tuple[float, float, float]]) -> tuple[float, ...]:
+    """The median seconds of each phase over the steps in ``record``."""
+    return tuple(statistics_median([r[i] for r in record]) for i in range(len(PHASES)))
+
+
+def phase_rows(variants: Iterable[str], phase_s: dict[str, tuple[float, ...]]) -> list[list]:
+    """One row per variant: each phase's median in ms, and their sum."""
+    return [[v, *(f"{1e3 * t:.1f}" for t in phase_s[v]), f"{1e3 * sum(phase_s[v]):.1f}"] for v in variants]
 
 
 def statistics_median(values: list[float]) -> float:

@@ -71,3 +71,32 @@ def test_arguments(bench, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_phased_step_is_lm_step_with_its_phases_timed(bench):
+    from macroarch.experiments.loop import lm_step
+
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8)))
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+        def forward(self, input_ids, labels):
+            logits = self.head(self.emb(input_ids))
+            return type("Out", (), {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())})
+
+    models = [TinyLM(), TinyLM()]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    record = []
+    for _ in range(2):
+        assert bench.phased_lm_step(models[0], opts[0], batch, record) == lm_step(models[1], opts[1], batch)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q) and p.grad is None
+    assert len(record) == 2 and all(len(r) == len(bench.PHASES) and min(r) >= 0 for r in record)
+    medians = bench.phase_medians([(0.001, 0.004, 0.002), (0.003, 0.002, 0.002), (0.002, 0.003, 0.008)])
+    assert medians == (0.002, 0.003, 0.002)
+    assert bench.phase_rows(["MVAS"], {"MVAS": medians}) == [["MVAS", "2.0", "3.0", "2.0", "7.0"]]
