@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         record.clear()  # the phases of the timed steps only
     rest = train_round_robin(runs, train[args.warmup:], step=step, desc=f"training at {first} tokens per step",
                              mininterval=10)
-    phase_ms = {v: phase_medians(phases[id(runs[v][0])]) for v in variants}
+    phase_s = {v: phase_medians(phases[id(runs[v][0])]) for v in variants}
     step_s = {first: {v: statistics_median(rest[v].seconds) for v in variants}}
     losses = {v: logs[v].losses + rest[v].losses for v in variants}
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         with compile_switch(False if v == EAGER else None):
             ev = evaluate_lm(inner, held_out)
         results[v] = dict(first_step_s=first_step[v], eval_loss=ev.loss, eval_accuracy=ev.accuracy,
-                          phases_ms=dict(zip(PHASES, phase_ms[v])),
+                          phases_ms={p: 1e3 * t for p, t in zip(PHASES, phase_s[v])},
                           final_train_loss=losses[v][-1], bytes_per_param=sum(state.values()) / n_params,
                           state_bytes=state, bytes_from=how)
 
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
           f"is faster). Medians of {args.steps - args.warmup} steps at {first} tokens, of {args.timed_steps} at the "
           f"others. Fair reference on this CPU: {fair}.")
     print()
-    print(format_table(["variant", *(f"{p} ms" for p in PHASES), "sum ms"], phase_rows(variants, phase_ms)))
+    print(format_table(["variant", *(f"{p} ms" for p in PHASES), "sum ms"], phase_rows(variants, phase_s)))
     print(f"where the time goes at {first} tokens per step: the median of each phase over the same steps (their sum "
           "need not be the median step); DGR's groups step inside backward; optimizer step includes zero_grad")
     print(f"torch.compile graphs compiled during the timed steps: {recompiled}"
