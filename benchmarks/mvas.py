@@ -83,7 +83,7 @@ from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.dgr import DGRWrapper
 from macroarch.experiments.hardware import machine_info
-from macroarch.experiments.loop import evaluate_lm, lm_loss, train_round_robin
+from macroarch.experiments.loop import PHASES, evaluate_lm, lm_step, train_round_robin
 from macroarch.measure.memory import STATE_CATEGORIES, measure_step
 from macroarch.models import get_model_spec
 from macroarch.mvas import packable, plan_for_budget
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def step(model, opt, batch):  # the eager variant's steps run with the MVAS kernels switched off
         with compile_switch(False if id(model) in eager_ids else None):
-            return phased_lm_step(model, opt, batch, phases[id(model)])
+            return lm_step(model, opt, batch, phases[id(model)])
 
     # warm-up (first step: allocation, compilation), then the timed training steps
     kernels_before = kernel_stats()
@@ -402,24 +402,6 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump(dict(config={k: v for k, v in vars(args).items()}, machine=info, fair_reference=fair,
                            n_params=n_params, recompiles_timed=recompiled, results=results), f, indent=2)
-
-
-PHASES = ("forward", "backward", "optimizer step")
-
-
-def phased_lm_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple,
-                   record: list[tuple[float, float, float]]) -> float:
-    """``experiments.loop.lm_step`` (forward with labels, backward, ``step()``, ``zero_grad``), appending the seconds
-    of its three phases (``PHASES``; ``zero_grad`` counted with the optimizer step) to ``record``; returns the loss."""
-    start = time.perf_counter()
-    loss = lm_loss(model, batch)
-    forward = time.perf_counter()
-    loss.backward()
-    backward = time.perf_counter()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    record.append((forward - start, backward - forward, time.perf_counter() - backward))
-    return loss.item()
 
 
 def phase_medians(record: list[tuple[float, float, float]]) -> tuple[float, ...]:

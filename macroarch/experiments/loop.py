@@ -100,12 +100,23 @@ def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(input_ids=batch[0].to(device), labels=batch[1].to(device)).loss
 
 
-def lm_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> float:
-    """The plain step: forward with labels, backward, ``optimizer.step()``, ``zero_grad``; returns the loss."""
+PHASES = ("forward", "backward", "optimizer step")
+"""The phases ``lm_step`` times when given a ``phases`` list (``zero_grad`` counted with the optimizer step)."""
+
+
+def lm_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
+            phases: list[tuple[float, float, float]] | None = None) -> float:
+    """The plain step: forward with labels, backward, ``optimizer.step()``, ``zero_grad``; returns the loss. With
+    ``phases``, the seconds of each of ``PHASES`` are appended to it (where a step's time goes)."""
+    start = time.perf_counter()
     loss = lm_loss(model, batch)
+    forward = time.perf_counter()
     loss.backward()
+    backward = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if phases is not None:
+        phases.append((forward - start, backward - forward, time.perf_counter() - backward))
     return loss.item()
 
 
