@@ -391,10 +391,11 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_values(code: torch.Tensor) -> torch.Tensor:
     """The float32 value of e2m1 ``code`` (int32, 0..15) by integer arithmetic and one conversion: magnitude code
-    c = 2e + m is ((2 + m) << e) / 4 for c >= 2, (c << 1) / 4 below; bit 3 the sign (code 8 is -0.0, as the table)."""
+    c = 2e + m is (2 + m) << e halves for c >= 2, c halves below; ((2 + m) << e) >> 1 is that for every c but 0,
+    which the minimum with c << 4 puts right (0; 16 and more for the others, above their 12 at most). Bit 3 of the
+    code is placed as the float's sign bit (code 8 is -0.0, as the table). About a dozen vector instructions a code,
+    against 21 for the earlier select by masks of (2 + m) << e and 2c quarters, times a -1/+1 sign: an fp4 weight of
+    672x256 into bf16, one AVX-512 core, 83-119 -> 60-75 us; into float32 62-91 -> 43-47 (AVX2: 100 -> 66)."""
     magnitude = code & 7
-    # a select by masks: Inductor's AVX2 code (torch 2.14) inverts ``where`` on int32 compares with int32 branches
-    normal = -((magnitude + 6) >> 3)  # all ones where magnitude >= 2, else 0
-    quarters = (((2 + (magnitude & 1)) << (magnitude >> 1)) & normal) | ((magnitude << 1) & ~normal)
-    sign = 1 - ((code >> 2) & 2)  # -1 where bit 3 is set
-    return quarters.to(torch.float32) * 0.25 * sign.to(torch.float32)
+    halves = torch.minimum(((2 | (magnitude & 1)) << (magnitude >> 1)) >> 1, magnitude << 4)
+    return (halves.to(torch.float32).view(torch.int32) | ((code << 28) & _SIGN)).view(torch.float32) * 0.5

@@ -96,6 +96,16 @@ def test_fp4_ties_go_to_the_even_code_and_nibbles_are_low_first():
     assert p.nbytes == math.ceil(11 / 2) + 4
 
 
+def test_fp4_codes_decode_by_arithmetic_to_the_bits_of_the_grid():
+    # the compiled kernels' decode (codecs._e2m1_values) against the MX spec's table, signs and -0.0 included
+    from macroarch.mvas.codecs import _e2m1_values
+    grid = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    table = torch.tensor(grid + [-g for g in grid])
+    values = _e2m1_values(torch.arange(16, dtype=torch.int32))
+    assert values.dtype == torch.float32
+    assert torch.equal(values.view(torch.int32), table.view(torch.int32))
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"])
 def test_stochastic_rounding_is_unbiased(name):
     k, n = 16, 20000
