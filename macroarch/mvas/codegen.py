@@ -20,12 +20,12 @@ vector into an array, casts it lane by lane into a second array and loads that).
 moves, and the 512-bit load after them waits for both stores to retire: a store-forwarding stall on every cast
 (``perf annotate`` of the fp4 dequantisation: most of its cycles on the instructions after such loads). Inside this
 context a cast between 32-bit types of one vector each is ``at::vec::cast``, ATen's reinterpretation of the vector
-(one register move on AVX-512 and AVX2). The values are the same bits either way (the first-call check in
-``compiled`` still compares each kernel with its eager source). Measured on one core (AVX-512), 2^20 elements, ns
-per element: the fp8 step 5.6 -> 4.6, the step with fp4 weights 8.3 -> 6.3. On AVX-512 a cast between 1-byte types
-of one vector each (uint8 codes stored into an fp8 payload: the stochastically rounded fp8 weight,
-``codecs._fp8_by_arithmetic``) is likewise the same register taken as the other type (``Vectorized<T>(__m512i(x))``),
-where Inductor copied it a lane at a time through memory.
+(one register move on AVX-512 and AVX2), and of two vectors (a loop beside a 16-bit type) that of each. The values are
+the same bits either way (the first-call check in ``compiled`` still compares each kernel with its eager source).
+Measured on one core (AVX-512), 2^20 elements, ns per element: the fp8 step 5.6 -> 4.6, the step with fp4 weights
+8.3 -> 6.3. On AVX-512 a cast between 1-byte types of one vector each (uint8 codes stored into an fp8 payload: the
+stochastically rounded fp8 weight, ``codecs._fp8_by_arithmetic``) is likewise the same register taken as the other type
+(``Vectorized<T>(__m512i(x))``), where Inductor copied it a lane at a time through memory.
 
 **Narrowing to bytes** (same context). ATen's AVX-512 vector library converts int32 and int16 vectors to int8 in
 one instruction (``vpmovdb``, ``vpmovwb``) but has no such conversion to uint8, so Inductor's
@@ -85,6 +85,16 @@ this context they load straight into the register, the rest of it as ATen leaves
 and fp16). ``MVASAdamW`` under ``ATEN_CPU_CAPABILITY=avx2`` (AVX-512 machine, 1M-4M elements, two alternated runs of
 each): fp8 weights 0.23-0.28 -> 0.51-0.61 of foreach AdamW's speed, fp4 0.27-0.33 -> 0.46-0.57.
 
+**Conversions into two vectors** (same context). Beside a 16-bit type a loop holds two float vectors (32 lanes on
+AVX-512, 16 on AVX2): the block maxima of the AVX2 step beside its bf16 gradient, a dequantisation into bf16 under
+AVX2. ATen converts uint8 to int32 and int32 <-> float32 for one vector only; for two its generic conversion stores
+the source, converts a lane at a time and loads the result (``perf annotate`` of the AVX2 fp8 dequantisation into bf16:
+the hottest instructions on that copy). Inside this context bytes become int32 by ``vpmovzxbd`` of each half and int32
+<-> float32 is ATen's one-vector conversion of each (the same truncation and rounding). Measured on one core under
+``ATEN_CPU_CAPABILITY=avx2`` (AVX-512 machine): an fp8 weight of 672x256 into bf16, 330-390 -> 116-124 us;
+``MVASAdamW`` at 1M-4M elements, two alternated runs of each, fp8 weights 0.40-0.54 -> 0.52-0.60 of foreach AdamW's
+speed, fp4 0.37-0.51 -> 0.48-0.58. AVX-512's step kernels hold no such conversion and are unchanged.
+
 The fix changes generated code that Inductor's cache key does not see, so the kernels compile with a graph pass that
 does nothing and whose ``uuid`` names the fix (``post_grad_custom_post_pass``: Inductor's documented way to put a
 custom pass into the key): a cache entry written without the fix is never read back with it, nor the reverse. Where
@@ -102,12 +112,12 @@ from typing import Any
 
 __all__ = ["options", "vec_isa", "vector_bitcasts"]
 
-_FIX = ("macroarch.mvas.codegen: vector bit casts between 32-bit types (at::vec::cast), 1; "
+_FIX = ("macroarch.mvas.codegen: vector bit casts between 32-bit types (at::vec::cast), 2; "
         "int32/int16 to uint8 through int8 on AVX-512, by saturating packs on AVX2, 1; int16 loops vectorised, 1; "
         "fp8 e4m3 to float through fp16 on AVX-512, 2; fp8 e5m2 to two float vectors, 2; "
         "bit casts between 1-byte types on AVX-512, 1; integer arange as a broadcast plus constant lanes, 1; "
         "float max/min with a constant as one instruction, 1; bytes read twice for elements 2i and 2i + 1, 1; "
-        "AVX2 partial loads straight into the register, 1")
+        "AVX2 partial loads straight into the register, 1; conversions into two vectors, 1")
 
 
 def vec_isa() -> str:
@@ -173,6 +183,21 @@ _AVX2_BYTES = {
     "int16": "[&]() {{ __m256i t = _mm256_and_si256(__m256i({0}), _mm256_set1_epi16(255)); "
              "return at::vec::Vectorized<uint8_t>(_mm256_inserti128_si256(_mm256_setzero_si256(), "
              "_mm_packus_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)), 0)); }}()",
+}
+
+# conversions into two vectors (a loop beside a 16-bit type: 32 lanes on AVX-512, 16 on AVX2), where ATen has them
+# for one vector only and its generic one stores the source, converts lane by lane and loads the result (a
+# store-forwarding stall): int32 <-> float32 as ATen's one-vector conversion of each half (any ISA: the same
+# truncation and rounding), by (source, target) dtype; uint8 codes into int32 from their low 32 (16) bytes, by ISA
+_TO_PAIR = {(s, d): f"at::vec::VectorizedN<{c}, 2>(at::vec::convert<{c}>({{0}}[0]), at::vec::convert<{c}>({{0}}[1]))"
+            for s, d, c in (("torch.int32", "torch.float32", "float"), ("torch.float32", "torch.int32", "int32_t"))}
+_BYTES_TO_INT32_PAIR = {
+    "avx512": "[&]() {{ const __m512i v = __m512i({0}); return at::vec::VectorizedN<int32_t, 2>("
+              "at::vec::Vectorized<int32_t>(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(v))), "
+              "at::vec::Vectorized<int32_t>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1)))); }}()",
+    "avx2": "[&]() {{ const __m128i b = _mm256_castsi256_si128(__m256i({0})); "
+            "return at::vec::VectorizedN<int32_t, 2>(at::vec::Vectorized<int32_t>(_mm256_cvtepu8_epi32(b)), "
+            "at::vec::Vectorized<int32_t>(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))); }}()",
 }
 
 # each byte twice, from half as many (``_halved`` indices), by vector width and lanes: the low 8 (4) bytes loaded and
@@ -278,6 +303,10 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
 
     def to_dtype_bitcast(x: Any, dtype: Any, src_dtype: Any) -> Any:
         kernel = cpp.V.kernel
+        if (isinstance(kernel, kernel_type) and dtype in cpp.DTYPE_TO_CPP and dtype.itemsize == src_dtype.itemsize == 4
+                and kernel._get_num_vectors(src_dtype) == kernel._get_num_vectors(dtype) == 2):
+            cast = f"at::vec::cast<{cpp.DTYPE_TO_CPP[dtype]}>"
+            return f"at::vec::VectorizedN<{cpp.DTYPE_TO_CPP[dtype]}, 2>({cast}({x}[0]), {cast}({x}[1]))"
         if (isinstance(kernel, kernel_type) and dtype in cpp.DTYPE_TO_CPP
                 and kernel._get_num_vectors(src_dtype) == 1 and kernel._get_num_vectors(dtype) == 1):
             if dtype.itemsize == src_dtype.itemsize == 4:
@@ -288,6 +317,13 @@ def _bitcast_patch() -> tuple[tuple[tuple[type, str, Any, Any], ...], Any] | Non
 
     def get_to_dtype_expr(self: Any, src: Any, dtype: Any, src_dtype: Any, rounding: bool = False) -> str:
         bits = width(self)
+        if self._get_num_vectors(dtype) == 2 and getattr(src, "is_vec", False) and not rounding:
+            if self._get_num_vectors(src_dtype) == 2 and (str(src_dtype), str(dtype)) in _TO_PAIR:
+                return _TO_PAIR[(str(src_dtype), str(dtype))].format(src)
+            isa = (str(self.vec_isa).split() or [""])[0]  # "avx512 avx512_vnni amx_tile" on AMX
+            if src_dtype == torch.uint8 and dtype == torch.int32 and isa in _BYTES_TO_INT32_PAIR \
+                    and self._get_num_vectors(src_dtype) == 1:
+                return _BYTES_TO_INT32_PAIR[isa].format(src)
         fp8 = (str(src_dtype).removeprefix("torch."), self._get_num_vectors(dtype))
         if (dtype == torch.float32 and fp8 in _FP8_TO_FLOAT and bits == 512 and getattr(src, "is_vec", False)
                 and self._get_num_vectors(src_dtype) == 1):

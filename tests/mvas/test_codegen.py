@@ -237,3 +237,32 @@ def test_partial_vector_loads_under_avx2_go_straight_into_the_register_with_the_
     assert partial.search(plain) and fast not in plain  # torch 2.14 without the fix: ATen's partial load
     assert fast in code and not partial.search(code)
     assert torch.equal(out, expected) and torch.equal(plain_out, expected)
+
+
+def _two_vectors(codes, grad):  # a loop beside bf16 (two float vectors): bytes to int32, int32 <-> float, a bit cast
+    c = codes.to(torch.int32)
+    f = c.float() * grad.float()
+    t = (f * 7.0).to(torch.int32)  # truncation toward zero, negative values included
+    bits = (((c & 0x7F) << 23) + (t & 0xFF)).view(torch.float32)
+    return bits + f, t
+
+
+@pytest.mark.skipif(codegen.vec_isa().split()[0] not in ("avx512", "avx2"), reason="AVX-512 and AVX2 only")
+def test_conversions_into_two_vectors_are_vector_code_with_the_same_values():
+    """Beside a 16-bit type a loop holds two float vectors (the AVX2 step's block maxima beside its bf16 gradient, a
+    dequantisation into bf16 under AVX2), where ATen converts bytes to int32 and int32 <-> float32 for one vector only
+    and Inductor's bit cast of two is a lane-by-lane copy: each went through memory. Run under
+    ``ATEN_CPU_CAPABILITY=avx2`` too."""
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=gen),
+            (torch.randn(64, 128, generator=gen) * 4).bfloat16())
+    expected = _two_vectors(*args)
+    plain_out, plain = _generated(_two_vectors, args, _plain_options())
+    with codegen.vector_bitcasts():
+        out, code = _generated(_two_vectors, args, codegen.options())
+    generic = ("at::vec::convert<int32_t,2,uint8_t,1>(", "at::vec::convert<float,2,int32_t,2>(",
+               "at::vec::convert<int32_t,2,float,2>(", "tmpbuf_out")
+    assert all(g in plain for g in generic)  # torch 2.14 without the fix: ATen's generic, scalar conversions
+    assert not any(g in code for g in generic) and "_cvtepu8_epi32(" in code
+    for got in (out, plain_out):
+        assert all(torch.equal(g.view(torch.int32), e.view(torch.int32)) for g, e in zip(got, expected, strict=True))
