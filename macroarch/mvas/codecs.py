@@ -215,8 +215,7 @@ def _round_e2m1(y: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     half to even on the same grid); a grid value q's code is 2q below 1, else 2 * (exponent + 1) + mantissa bit."""
     a = y.abs()
     if noise is None:
-        bits = a.view(torch.int32)
-        q = _round_half_even(bits, 22).view(torch.float32)  # 1 mantissa bit
+        q = _round_half_even(a.view(torch.int32), 22).view(torch.float32)  # 1 mantissa bit
         q = torch.where(a < 1.0, torch.round(a * 2.0) * 0.5, q)  # spacing 0.5 below 1; torch.round: half to even
     else:
         q = _stochastic_magnitude(a, 1, 0, noise)
@@ -392,10 +391,10 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
 def _e2m1_values(code: torch.Tensor) -> torch.Tensor:
     """The float32 value of e2m1 ``code`` (int32, 0..15) by integer arithmetic and one conversion: magnitude code
     c = 2e + m is (2 + m) << e halves for c >= 2, c halves below; ((2 + m) << e) >> 1 is that for every c but 0,
-    which the minimum with c << 4 puts right (0; 16 and more for the others, above their 12 at most). Bit 3 of the
-    code is placed as the float's sign bit (code 8 is -0.0, as the table). About a dozen vector instructions a code,
-    against 21 for the earlier select by masks of (2 + m) << e and 2c quarters, times a -1/+1 sign: an fp4 weight of
-    672x256 into bf16, one AVX-512 core, 83-119 -> 60-75 us; into float32 62-91 -> 43-47 (AVX2: 100 -> 66)."""
+    which the minimum with c << 4 puts right (0; 16 and more for the others). Bit 3 of the code is the float's sign
+    bit (code 8 is -0.0, as the table). A dozen vector instructions, against 21 for a select by masks and a -1/+1
+    sign: a 672x256 fp4 weight into bf16, one AVX-512 core, 83-119 -> 60-75 us; float32 62-91 -> 43-47 (AVX2
+    100 -> 66)."""
     magnitude = code & 7
     halves = torch.minimum(((2 | (magnitude & 1)) << (magnitude >> 1)) >> 1, magnitude << 4)
     return (halves.to(torch.float32).view(torch.int32) | ((code << 28) & _SIGN)).view(torch.float32) * 0.5

@@ -27,13 +27,12 @@ Measured on one core (AVX-512), 2^20 elements, ns per element: the fp8 step 5.6 
 stochastically rounded fp8 weight, ``codecs._fp8_by_arithmetic``) is likewise the same register taken as the other type
 (``Vectorized<T>(__m512i(x))``), where Inductor copied it a lane at a time through memory.
 
-**Narrowing to bytes** (same context). ATen's AVX-512 vector library converts int32 and int16 vectors to int8 in
-one instruction (``vpmovdb``, ``vpmovwb``) but has no such conversion to uint8, so Inductor's
-``at::vec::convert<uint8_t>`` of an int32 vector (every fp4 code, and the packing of two codes into a byte) is
-ATen's generic one: a store, sixteen scalar conversions (``vpextrd``/``vpinsrb`` in ``perf annotate``) and a
-partial load. Inside this context it is the int8 conversion, reinterpreted as uint8: the same bytes (both
-truncate to the low 8 bits). AVX2 has no such conversion either: there the low bytes are packed with AVX2's unsigned
-saturating packs, of values masked to 0..255 (so exact).
+**Narrowing to bytes** (same context). ATen's AVX-512 vector library converts int32 and int16 vectors to int8 in one
+instruction (``vpmovdb``, ``vpmovwb``) but has no such conversion to uint8, so Inductor's ``at::vec::convert<uint8_t>``
+of an int32 vector (every fp4 code, and the packing of two codes into a byte) is ATen's generic one: a store, sixteen
+scalar conversions (``vpextrd``/``vpinsrb`` in ``perf annotate``) and a partial load. Inside this context it is the int8
+conversion, reinterpreted as uint8: the same bytes (both truncate to the low 8 bits). AVX2 has no such conversion
+either: there the low bytes are packed with AVX2's unsigned saturating packs, of values masked to 0..255 (so exact).
 
 **Loops over int16** (same context). Inductor vectorises a loop only when every dtype in it is in its
 ``VECTORIZABLE_DTYPES``, which lacks int16 (ATen's vector library has ``Vectorized<int16_t>`` with the bitwise ops
@@ -85,21 +84,17 @@ this context they load straight into the register, the rest of it as ATen leaves
 and fp16). ``MVASAdamW`` under ``ATEN_CPU_CAPABILITY=avx2`` (AVX-512 machine, 1M-4M elements, two alternated runs of
 each): fp8 weights 0.23-0.28 -> 0.51-0.61 of foreach AdamW's speed, fp4 0.27-0.33 -> 0.46-0.57.
 
-**Conversions into two vectors** (same context). Beside a 16-bit type a loop holds two float vectors (32 lanes on
-AVX-512, 16 on AVX2): the block maxima of the AVX2 step beside its bf16 gradient, a dequantisation into bf16 under
-AVX2. ATen converts uint8 to int32 and int32 <-> float32 for one vector only; for two its generic conversion stores
-the source, converts a lane at a time and loads the result (``perf annotate`` of the AVX2 fp8 dequantisation into bf16:
-the hottest instructions on that copy). Inside this context bytes become int32 by ``vpmovzxbd`` of each half and int32
-<-> float32 is ATen's one-vector conversion of each (the same truncation and rounding). Measured on one core under
-``ATEN_CPU_CAPABILITY=avx2`` (AVX-512 machine): an fp8 weight of 672x256 into bf16, 330-390 -> 116-124 us;
-``MVASAdamW`` at 1M-4M elements, two alternated runs of each, fp8 weights 0.40-0.54 -> 0.52-0.60 of foreach AdamW's
-speed, fp4 0.37-0.51 -> 0.48-0.58. AVX-512's step kernels hold no such conversion and are unchanged.
+**Conversions into two vectors** (same context). Beside a 16-bit type a loop holds two float vectors (AVX2's step
+beside its bf16 gradient, a read into bf16 under AVX2). ATen converts uint8 -> int32 and int32 <-> float32 for one
+vector only; for two, a store, a conversion per lane and a load (``perf``: the hottest instructions of the AVX2 fp8
+read into bf16). Here bytes become int32 by ``vpmovzxbd`` of each half, int32 <-> float32 is ATen's one-vector
+conversion of each (the same bits). One core, ``ATEN_CPU_CAPABILITY=avx2``: an fp8 672x256 read into bf16 330-390 ->
+116-124 us; ``MVASAdamW`` at 1M-4M, fp8 weights 0.40-0.54 -> 0.52-0.60 of foreach AdamW, fp4 0.37-0.51 -> 0.48-0.58.
 
 The fix changes generated code that Inductor's cache key does not see, so the kernels compile with a graph pass that
 does nothing and whose ``uuid`` names the fix (``post_grad_custom_post_pass``: Inductor's documented way to put a
-custom pass into the key): a cache entry written without the fix is never read back with it, nor the reverse. Where
-Inductor's code generation is not the one this was written for (another torch), nothing is patched and the key has
-no pass.
+custom pass into the key): a cache entry written without the fix is never read back with it, nor the reverse.
+Under another torch's code generation nothing is patched and the key has no pass.
 """
 
 from __future__ import annotations
