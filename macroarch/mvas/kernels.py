@@ -33,7 +33,9 @@ are in the notes of issue 14). Inductor turns each op into vector code only wher
 - Inductor's AVX2 code inverts ``torch.where`` on an int32 comparison with int32 branches (every lane takes the
   wrong branch; AVX-512 is right): the kernels select by masks there instead, and the first-call check below
   caught it before any weight was written;
-- the step's new moments are stored once (``_stored_once``), not recomputed by each loop that reads them: 5-10%;
+- the step's new moments are stored once (``_stored_once``), not recomputed by each loop that reads them: 5-10%; so
+  is a new weight without a master, as blocks: under AVX2 its block maxima then come from the loop that stores it, not
+  from a loop that computed the update again (fp8 e4m3, 2^20 elements, one core: 11.5 -> 10.0 ms);
 - fp4 values into bf16 are interleaved as one integer lane per pair (``codecs._decode_e2m1_rows``), into float32
   read byte ``i // 2`` for element ``i`` (``_decode_e2m1_elements``; one vector load in ``codegen``), so the step's
   weight decodes in its main loop, not a kernel of its own (fp4 weights, 2^20-2^22 elements, one core: 0.77-0.99 ->
@@ -104,20 +106,17 @@ __all__ = ["ENV", "MIN_COMPILED_DEQUANTIZE", "StepSpec", "adamw_step", "compile_
            "counter_noise", "dequantize", "prepared_step", "reset_compile_stats", "vec_isa"]
 
 MIN_COMPILED_DEQUANTIZE = 8192
-"""Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs about 70 us
-before any work (dynamo's guards and Inductor's wrapper; measured, one core: fp8 4096 elements 73 us compiled
-against 37 eager, 16384: 74 against 98). The step is compiled at every size (4096 elements: 170 against 503 us)."""
+"""Below this many elements a dequantisation runs eagerly unless ``compile=True``: a compiled call costs ~70 us before
+any work (one core: fp8, 4096 elements 73 us compiled, 37 eager; 16384: 74, 98). Steps compile at every size."""
 _SPECS: dict[StepSpec, StepSpec] = {}
 _last_scalars: tuple[bytes, torch.Tensor] | None = None  # the last compiled step's scalars: ``_scalars_tensor``
 # payload -> (scales, (format, block, numel, dtype), kernel key, kernel args, the verified direct call bound to them or
 # None) of its last compiled dequantisation: a weight read every step skips rebuilding them (~40 us of Python a call)
 _PLANNED: WeakById = WeakById()
-# stored weight (payload) -> (what else its last compiled step was planned for, by identity: scales, master, moments,
-# spec, gradient dtype; and by value: the gradient's device and size; rows; the stored tensors as the kernel's rows;
-# kernel key): MVASAdamW steps the same views of its state every step (~30 of ~40 us of Python a call otherwise)
+# stored weight (payload) -> (its last compiled step's plan: scales, master, moments, spec, gradient dtype by identity,
+# device and size by value; rows; stored tensors as rows; kernel key): ~30 of ~40 us of Python a step call otherwise
 _STEP_PLANNED: WeakById = WeakById()
-# Both are weak on the payload and hold its rows as ``rows_alias``es, never as views: a view keeps its base alive,
-# and a kept plan would then keep every weight it ever served alive for the life of the process.
+# Both are weak on the payload and hold its rows as ``rows_alias``es, never as views (a view keeps its base alive).
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -191,6 +190,8 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
         noise = None
         if spec.stochastic and master is None and get_format(spec.weight_format).storage_dtype != torch.float32:
             noise = counter_noise(counter, n, noise_bits(spec.weight_format)).view(w.shape)
+        if master is None and spec.weight_block is not None and get_format(spec.weight_format).block_scaled:
+            w = _stored_once(w.view(*w.shape[:-1], -1, spec.weight_block)).view(w.shape)
         payload, scales = encode(w, spec.weight_format, spec.weight_block, noise)
         weight[0].copy_(_as_stored(payload, weight[0]))
         if scales is not None:
@@ -251,8 +252,7 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, blo
                    key=planned[2]).view(-1)
     info = get_format(fmt)
     length = _row_length(block_size or 1 if info.block_scaled else 1, 2 if fmt == "fp4_e2m1" else 1)
-    # unscaled formats (bf16, fp16) are one cast, which torch runs faster than a compiled call (measured: fp16 to
-    # bf16, 64K elements, 29 us against 216 us; Inductor converts fp16 to bf16 a lane at a time)
+    # unscaled formats (bf16, fp16): one cast, faster than a compiled call (fp16 to bf16, 64K elements: 29 vs 216 us)
     rows = numel // length if numel % length == 0 and numel >= 2 * length and (
         block_size is not None and info.block_scaled) else None
     if rows is None or not (compile_enabled(compile) and (compile or numel >= MIN_COMPILED_DEQUANTIZE)
