@@ -31,7 +31,8 @@ weights 2 + 2 x (1.125 + 2 x 1.03) = 8.4 B, fp4 weights 7.4 B; 8-bit torchao/bit
 measured in the same run (``copy_bandwidth``: the fastest in-place streaming kernel, ``a.mul_``, ``a.add_`` or
 ``a.addcmul_`` on ``--copy-elements`` fp32 elements, bytes read and written; a ``dst.copy_(src)`` undercounts its
 traffic; where an optimizer in the run streamed faster, that is the limit instead: ``bandwidth_limits``). An
-optimizer that makes several passes over memory shows up as a low fraction of it.
+optimizer that makes several passes over memory shows up as a low fraction of it. **Page faults**: a step whose
+temporaries glibc gets as fresh pages each time (where its heap layout ends up) runs up to 1.7x slower: counted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import argparse
 import gc
 import inspect
 import json
+import resource
 import statistics
 import time
 import warnings
@@ -237,30 +239,33 @@ def run_size(numel: int, n_tensors: int, chosen: dict[str, Setup], *, warmup: in
         params = build_params(values, setup.weights)
         for p, g in zip(params, grads[torch.float32 if setup.weights == "fp32" else torch.bfloat16]):
             p.grad = g  # read only by every optimizer here: one gradient tensor serves all
-        runs[name] = (params, setup.make(params), setup.compile, [], [], [0])
+        runs[name] = (params, setup.make(params), setup.compile, [], [], [0], [])
     for i in range(warmup + repeats):
         if i == warmup:  # a "compiled" row whose warm-up ran no compiled kernel would time the eager path twice
             for name in [n for n, r in runs.items() if r[2] and not r[5][0]]:
                 skipped[name] = "not compiled here (= eager row)"
                 del runs[name]
-        for _params, opt, flag, first, times, compiled in runs.values():
-            before = _compiled_calls()
+        for _params, opt, flag, first, times, compiled, faults in runs.values():
+            before, faulted = _compiled_calls(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             with compile_switch(flag):
                 start = time.perf_counter()
                 opt.step()
                 seconds = time.perf_counter() - start
             compiled[0] += _compiled_calls() - before
             (first if i < warmup else times).append(seconds)
+            if i >= warmup:
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
     results: dict[str, dict[str, Any]] = {name: dict(numel=numel, tensors=n_tensors, skipped=why)
                                           for name, why in skipped.items()}
-    for name, (_params, opt, flag, first, times, compiled) in runs.items():
+    for name, (_params, opt, flag, first, times, compiled, faults) in runs.items():
         traffic = optimizer_traffic(opt)
         median = statistics.median(times)
         results[name] = dict(numel=numel, tensors=n_tensors, first_step_s=first[0] if first else None,
                              step_s=median, times_s=times, ms_per_mparam=1e3 * median / (numel / 1e6),
                              bytes_read=traffic.read, bytes_written=traffic.written,
                              bytes_per_element=traffic.total / numel, gb_per_s=traffic.total / median / 1e9,
-                             compiled_calls=compiled[0] if flag is not None else None)
+                             compiled_calls=compiled[0] if flag is not None else None,
+                             page_faults_per_step=statistics.mean(faults))
     del runs
     gc.collect()
     return results
@@ -273,8 +278,7 @@ def table_rows(results: list[dict[str, Any]], copy_gbs: dict[int, float]) -> lis
     rows = []
     for r in results:
         if r.get("skipped"):
-            rows.append([r["optimizer"], format_size(r["numel"]), r["threads"], r["skipped"], None, None, None,
-                         None, None, None])
+            rows.append([r["optimizer"], format_size(r["numel"]), r["threads"], r["skipped"]] + [None] * 7)
             continue
         base = ref.get((r["numel"], r["threads"]))
         bw = copy_gbs.get(r["threads"])
@@ -282,7 +286,8 @@ def table_rows(results: list[dict[str, Any]], copy_gbs: dict[int, float]) -> lis
                      f"{r['ms_per_mparam']:.2f}", f"{base / r['step_s']:.2f}x" if base else None,
                      f"{r['bytes_per_element']:.1f}", f"{r['gb_per_s']:.2f}",
                      f"{r['gb_per_s'] / bw:.0%}" if bw else None,
-                     f"{r['first_step_s']:.2f}" if r["first_step_s"] is not None else None])
+                     f"{r['first_step_s']:.2f}" if r["first_step_s"] is not None else None,
+                     f"{r['page_faults_per_step']:.0f}" if r.get("page_faults_per_step") is not None else None])
     return rows
 
 
@@ -304,7 +309,7 @@ def bandwidth_limits(results: list[dict[str, Any]], stream_gbs: dict[int, float]
 
 
 HEADERS = ["optimizer", "size", "threads", "step ms", "ms/M params", "speed vs foreach", "B/element", "GB/s",
-           "of stream BW", "first step s"]
+           "of stream BW", "first step s", "faults/step"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -381,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{threads} thread(s): the bandwidth limit is {gbs:.2f} GB/s, from {source}")
     print(f"\nstep ms: median of {args.repeats} after {args.warmup} warm-up step(s) (first step s: the first, "
           f"compilation included); B/element: least bytes read + written per step (module docstring); "
-          f"of stream BW: achieved GB/s over the limit above. "
+          f"of stream BW: achieved GB/s over the limit above; faults/step: minor page faults in a timed step (mean), "
+          f"fresh pages for its temporaries, microseconds each. "
           f"Whole run {time.perf_counter() - start:.0f} s.")
     if args.out:
         with open(args.out, "w") as f:

@@ -112,3 +112,25 @@ def test_the_bandwidth_limit_is_the_best_measured_so_no_share_exceeds_one(bench)
     assert limits[2] == (31.0, "the in-place stream kernels")
     shares = [r[8] for r in bench.table_rows(results[:3], {t: g for t, (g, _) in limits.items()})]
     assert shares == ["100%", "6%", "97%"]
+
+
+def test_page_faults_of_a_step_are_counted(bench):
+    """An optimizer whose step touches 256 fresh pages (an anonymous mmap: the kernel maps each page on its first
+    write) shows at least 256 faults a step; the table prints the mean."""
+    import mmap
+
+    class FreshPages(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            with mmap.mmap(-1, 256 * mmap.PAGESIZE) as fresh:
+                for page in range(256):
+                    fresh[page * mmap.PAGESIZE] = 1
+
+    chosen = {"fresh": bench.Setup("fp32", FreshPages), bench.REFERENCE: bench.setups()[bench.REFERENCE]}
+    results = bench.run_size(2 * bench.ROW, 1, chosen, warmup=1, repeats=3)
+    assert results["fresh"]["page_faults_per_step"] >= 256
+    assert results[bench.REFERENCE]["page_faults_per_step"] >= 0
+    records = [dict(r, optimizer=name, threads=1) for name, r in results.items()]
+    assert int(bench.table_rows(records, {})[0][-1]) >= 256
