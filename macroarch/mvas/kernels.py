@@ -35,7 +35,7 @@ are in the notes of issue 14). Inductor turns each op into vector code only wher
   caught it before any weight was written;
 - the step's new moments are stored once (``_stored_once``), not recomputed by each loop that reads them: 5-10%; so
   is a new weight without a master, as blocks: under AVX2 its block maxima then come from the loop that stores it, not
-  from a loop that computed the update again (fp8 e4m3, 2^20 elements, one core: 11.5 -> 10.0 ms);
+  from a loop that computed the update again (fp8 e4m3, 2^20 elements, one core: 11.3-12.6 -> 10.2-11.0 ms);
 - fp4 values into bf16 are interleaved as one integer lane per pair (``codecs._decode_e2m1_rows``), into float32
   read byte ``i // 2`` for element ``i`` (``_decode_e2m1_elements``; one vector load in ``codegen``), so the step's
   weight decodes in its main loop, not a kernel of its own (fp4 weights, 2^20-2^22 elements, one core: 0.77-0.99 ->
