@@ -11,6 +11,7 @@ computes in bf16 is compared with fp32 AdamW as well). ``machine_info`` itself i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import statistics
@@ -33,6 +34,7 @@ SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16
 
 BF16_REFERENCE = "AdamW bf16 + fp32 master"
 FP32_REFERENCE = "AdamW fp32"
+FOREACH_REFERENCE = "torch AdamW fp32 foreach"  # the optimizer-step benchmark's reference
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -129,6 +131,16 @@ def fair_reference(info: dict[str, Any]) -> str:
     return BF16_REFERENCE if info.get("native_bf16") else FP32_REFERENCE
 
 
+def emulation() -> dict[str, str]:
+    """The environment settings that make this CPU pose as a lesser one (an AVX-512 machine run as AVX2)."""
+    return {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+
+
+def machine_record() -> dict[str, Any]:
+    """``machine_info()`` with ``emulating`` (``emulation()``): what a benchmark's JSON says it ran on."""
+    return {**machine_info(), "emulating": emulation()}
+
+
 def machine_lines(info: dict[str, Any] | None = None, flags: Sequence[str] | None = None) -> list[str]:
     """Lines that name the machine a benchmark ran on: model, capability, speed flags, threads, fair reference."""
     info = machine_info() if info is None else info
@@ -140,7 +152,7 @@ def machine_lines(info: dict[str, Any] | None = None, flags: Sequence[str] | Non
              f"{all_threads()} core(s) available to this process"]
     if info.get("gpu"):
         lines.append(f"GPU: {info['gpu']}")
-    env = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}
+    env = emulation()
     if env:
         lines.append("emulating: " + " ".join(f"{k}={v}" for k, v in env.items()))
     return lines
@@ -167,6 +179,18 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, float
         lines.append("  ".join(v.ljust(widths[0]) if c == 0 else v.rjust(widths[c]) for c, v in enumerate(r)))
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """``data`` as JSON in ``path``, whole or not at all (a temporary file beside it, then a rename): an interrupted
+    run leaves no half-written result that looks complete."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

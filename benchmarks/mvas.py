@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
 import warnings
 from collections.abc import Iterable
@@ -74,7 +73,9 @@ from _common import (
     kernel_stats,
     kernels,
     machine_lines,
+    machine_record,
     parse_sizes,
+    write_json,
 )
 from torch.optim.adam import adam
 
@@ -82,7 +83,6 @@ from macroarch import compose
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.dgr import DGRWrapper
-from macroarch.experiments.hardware import machine_info
 from macroarch.experiments.loop import PHASES, evaluate_lm, lm_step, train_round_robin
 from macroarch.measure.memory import STATE_CATEGORIES, measure_step
 from macroarch.models import get_model_spec
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter()
     torch.set_num_threads(args.threads)
     variants = args.variants
-    info = machine_info()
+    info = machine_record()  # what the JSON says it ran on (emulation included)
     fair = fair_reference(info)
     for line in machine_lines(info):
         print(line)
@@ -398,10 +398,9 @@ def main(argv: list[str] | None = None) -> None:
             + (f", {step_s[t][FP32_REFERENCE] / mine[t]:.2f}x fp32" if FP32_REFERENCE in step_s[t] else "")
             for t in args.tokens))
     print(f"whole run: {time.perf_counter() - wall:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(config={k: v for k, v in vars(args).items()}, machine=info, fair_reference=fair,
-                           n_params=n_params, recompiles_timed=recompiled, results=results), f, indent=2)
+    if args.json:  # benchmarks/plot.py draws it
+        write_json(args.json, dict(config=vars(args), machine=info, reference=REFERENCE, fair_reference=fair,
+                                   targets=TARGETS, n_params=n_params, recompiles_timed=recompiled, results=results))
 
 
 def phase_medians(record: list[tuple[float, float, float]]) -> tuple[float, ...]:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
 import resource
 import statistics
 import time
@@ -51,6 +50,7 @@ from typing import Any
 
 import torch
 from _common import (
+    FOREACH_REFERENCE,
     all_threads,
     compile_switch,
     format_size,
@@ -58,17 +58,18 @@ from _common import (
     kernel_stats,
     kernels,
     machine_lines,
+    machine_record,
     parse_sizes,
     time_calls,
+    write_json,
 )
 
-from macroarch.experiments.hardware import machine_info
 from macroarch.mvas import MVASWeight
 from macroarch.mvas.formats import pack
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.optim import CompensatedAdamW
 
-REFERENCE = "torch AdamW fp32 foreach"
+REFERENCE = FOREACH_REFERENCE
 ROW = 1024  # elements per row of the 2-D tensors (MVAS packs whole blocks of 32; the moments blocks of 128)
 READ_ONLY_STATE = ("qmap", "qmap1", "qmap2")
 LR = 1e-3
@@ -389,11 +390,10 @@ def main(argv: list[str] | None = None) -> None:
           f"of stream BW: achieved GB/s over the limit above; faults/step: minor page faults in a timed step (mean), "
           f"fresh pages for its temporaries, microseconds each. "
           f"Whole run {time.perf_counter() - start:.0f} s.")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(config={k: v for k, v in vars(args).items()}, machine=machine_info(),
-                           copy_gb_per_s=copy_gbs, limit_gb_per_s={t: g for t, (g, _) in limits.items()},
-                           results=results), f, indent=2)
+    if args.out:  # benchmarks/plot.py draws it
+        limit = {t: g for t, (g, _) in limits.items()}
+        write_json(args.out, dict(config=vars(args), machine=machine_record(), reference=REFERENCE,
+                                  copy_gb_per_s=copy_gbs, limit_gb_per_s=limit, results=results))
 
 
 if __name__ == "__main__":

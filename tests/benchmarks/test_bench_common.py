@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -67,3 +69,13 @@ def test_format_table(common):
     assert len({len(line) for line in lines}) == 1  # columns padded to one width
     with pytest.raises(ValueError, match="row 0 has 2 cells"):
         common.format_table(["a", "b", "c"], [[1, 2]])
+
+
+def test_write_json_whole_or_not_at_all(common, tmp_path):
+    path = tmp_path / "out.json"
+    common.write_json(path, {"a": [1, 2.5]})
+    assert json.loads(path.read_text()) == {"a": [1, 2.5]}
+    with pytest.raises(TypeError):  # not serialisable: the earlier result stays, no partial file beside it
+        common.write_json(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": [1, 2.5]}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
