@@ -15,7 +15,7 @@ so on for ``--blocks`` blocks each (ABBA, so neither always goes first). The rat
 beside it cancels the drift both saw; the report is the median of those ratios with its quartiles, and each side's
 fastest and median block, with the minor page faults of its steps. The same version on both sides (``--b-env X=1``)
 shows the method's own spread: on this repository's machine, MVASAdamW's fp8 step on 2^20 elements, seven runs of
-10-40 blocks gave medians of 0.950-1.015 (quartiles within 0.86-1.09), and one 0.558: that run's A took 1.8x B's time
+10-20 blocks gave medians of 0.950-1.015 (quartiles within 0.86-1.09), and one 0.558: that run's A took 1.8x B's time
 in every block, a process that stayed slow throughout (before the faults were counted; the benchmarks' notes
 found such processes getting fresh pages for the kernel's temporaries on every step). Run it twice.
 
