@@ -17,7 +17,9 @@ fastest and median block, with the minor page faults of its steps. The same vers
 shows the method's own spread: on this repository's machine, MVASAdamW's fp8 step on 2^20 elements, seven runs of
 10-20 blocks gave medians of 0.950-1.015 (quartiles within 0.86-1.09), and one 0.558: that run's A took 1.8x B's time
 in every block, a process that stayed slow throughout (before the faults were counted; the benchmarks' notes
-found such processes getting fresh pages for the kernel's temporaries on every step). Run it twice.
+found such processes getting fresh pages for the kernel's temporaries on every step; a later A/B of two checkouts of
+the same kernel caught one: 1999 faults a step and 1.95x the time, then 0.997 with none on the next run). A side whose
+steps fault and the other's not is warned about; run it twice.
 
 Both workers are pinned to the same cores (the first ``--threads`` this process may use; one by default): on a VM
 the cores need not run at one speed, and unpinned, the same comparison of MVASAdamW with foreach AdamW at 2^20
@@ -163,6 +165,18 @@ def summary(blocks_a: list[tuple[float, float]], blocks_b: list[tuple[float, flo
                 ratio_median=statistics.median(ratios), ratio_quartiles=(q[0], q[2]), blocks=len(ratios))
 
 
+def fault_warning(result: dict[str, Any], *, threshold: float = 100.0) -> str | None:
+    """A warning where one side's steps take page faults (``threshold`` a step or more) and the other's far fewer: a
+    process whose kernels' temporaries get fresh pages on every step runs up to twice as slow for its whole life (this
+    machine: 1999 faults a step and 1.95x the time, the same code on both sides), so the ratio says nothing of code."""
+    fa, fb = result["a_faults_per_step"], result["b_faults_per_step"]
+    if max(fa, fb) < threshold or min(fa, fb) > max(fa, fb) / 2:
+        return None
+    slow, fast = ("A", "B") if fa > fb else ("B", "A")
+    return (f"warning: {slow}'s steps take {max(fa, fb):.0f} page faults each, {fast}'s {min(fa, fb):.0f}: {slow}'s "
+            f"process gets fresh pages for its temporaries on every step, which alone can double its time; run again")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for side in ("a", "b"):
@@ -211,6 +225,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lo, hi = result["ratio_quartiles"]
     print(f"  B/A, blocks side by side: median {result['ratio_median']:.3f} (quartiles {lo:.3f}-{hi:.3f}); "
           f"below 1: B is faster")
+    warning = fault_warning(result)
+    if warning:
+        print(warning)
     if args.out:
         write_json(args.out, dict(config=vars(args), sides=[dict(path=str(r), env=e, optimizer=o) for r, e, o in sides],
                                   a_blocks=blocks_a, b_blocks=blocks_b, **result))

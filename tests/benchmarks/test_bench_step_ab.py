@@ -45,6 +45,15 @@ def test_summary_ratios_of_blocks_side_by_side(ab):
     assert 1.0 <= lo <= hi <= 2.0
 
 
+def test_a_side_that_faults_is_warned_about(ab):
+    def result(fa, fb):
+        return dict(a_faults_per_step=fa, b_faults_per_step=fb)
+    assert ab.fault_warning(result(0, 1999)).startswith("warning: B's steps take 1999 page faults each, A's 0")
+    assert "A's process gets fresh pages" in ab.fault_warning(result(2050, 23))
+    assert ab.fault_warning(result(3, 5)) is None  # neither faults
+    assert ab.fault_warning(result(1800, 2000)) is None  # both alike: the ratio still compares code
+
+
 def test_parse_env_and_checkout_errors(ab, tmp_path):
     assert ab.parse_env("A=1, B = x,", name="--a-env") == {"A": "1", "B": "x"}
     assert ab.parse_env(None, name="--a-env") == {}
