@@ -11,7 +11,6 @@ computes in bf16 is compared with fp32 AdamW as well). ``machine_info`` itself i
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import statistics
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from macroarch.experiments.hardware import machine_info
+from macroarch.repro.tracking import write_json_atomic
 
 try:
     from macroarch.mvas import kernels
@@ -182,15 +182,9 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, float
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    """``data`` as JSON in ``path``, whole or not at all (a temporary file beside it, then a rename): an interrupted
-    run leaves no half-written result that looks complete."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
-    try:
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """``data`` as JSON in ``path``, whole or not at all (``macroarch.repro.tracking.write_json_atomic``, the one
+    results use), NaN allowed: an interrupted run leaves no half-written result that looks complete."""
+    write_json_atomic(Path(path), data, allow_nan=True)
 
 
 @contextlib.contextmanager

@@ -42,7 +42,6 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-KINDS = ("optimizer step", "training step")
 THREAD_STYLES = ("-", "--", ":", "-.")
 _RATIO_TICKS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -64,6 +63,11 @@ def load(path: str | Path) -> tuple[str, dict[str, Any]]:
     raise ValueError(f"{path}: neither benchmarks/optimizer_step.py --out nor benchmarks/mvas.py --json output")
 
 
+def reference_of(kind: str, data: dict[str, Any]) -> str:
+    """The run's reference, as it recorded it (runs before it did: the benchmark's own)."""
+    return data.get("reference", FOREACH_REFERENCE if kind == "optimizer step" else BF16_REFERENCE)
+
+
 def machine_title(data: dict[str, Any], label: str | None = None) -> str:
     """The column title: ``label`` if given, the CPU model, torch's dispatch capability, bf16 native or emulated,
     and the settings that made the CPU pose as a lesser one, where the run recorded them."""
@@ -80,7 +84,7 @@ def step_speeds(data: dict[str, Any], path: str = "") -> dict[str, dict[int, dic
     """``{optimizer: {threads: {elements: (speed vs the reference, share of the bandwidth limit)}}}`` of an
     optimizer-step run, in the run's order; skipped rows are left out. ValueError if a measured size lacks the
     reference (run it with ``--only`` including it)."""
-    reference = data.get("reference", FOREACH_REFERENCE)
+    reference = reference_of("optimizer step", data)
     rows = [r for r in data["results"] if not r.get("skipped")]
     ref = {(int(r["threads"]), r["numel"]): r["step_s"] for r in rows if r["optimizer"] == reference}
     limits = {int(t): gbs for t, gbs in data["limit_gb_per_s"].items()}
@@ -98,7 +102,7 @@ def step_speeds(data: dict[str, Any], path: str = "") -> dict[str, dict[int, dic
 
 def train_speeds(data: dict[str, Any], path: str = "") -> dict[str, dict[int, float]]:
     """``{variant: {tokens: speed vs the reference}}`` of a training-step run; ValueError without the reference."""
-    reference = data.get("reference", BF16_REFERENCE)
+    reference = reference_of("training step", data)
     results = data["results"]
     if reference not in results:
         raise ValueError(f"{path}: no {reference!r} variant: every speed is relative to it (keep it in --only)")
@@ -138,7 +142,7 @@ def figure_optimizer_step(runs: Sequence[tuple[str, dict[str, Any]]], labels: Se
     """Speed against foreach AdamW (above) and share of the bandwidth limit (below), a column per run."""
     speeds = [step_speeds(data, path) for path, data in runs]
     names = list(dict.fromkeys(n for s in speeds for n in s))
-    reference = runs[0][1].get("reference", FOREACH_REFERENCE)
+    reference = reference_of("optimizer step", runs[0][1])
     colors = _colors(names, reference)
     threads_all = sorted({t for s in speeds for per in s.values() for t in per})
     fig = Figure(figsize=(5.2 * len(runs), 7.5))
@@ -179,7 +183,7 @@ def figure_training_step(runs: Sequence[tuple[str, dict[str, Any]]], labels: Seq
     """Speed against the reference by tokens per step (above); bytes per parameter against speed (below)."""
     speeds = [train_speeds(data, path) for path, data in runs]
     names = list(dict.fromkeys(n for s in speeds for n in s))
-    reference = runs[0][1].get("reference", BF16_REFERENCE)
+    reference = reference_of("training step", runs[0][1])
     colors = _colors(names, reference)
     fig = Figure(figsize=(6.0 * len(runs), 9.5))
     axes = fig.subplots(2, len(runs), squeeze=False)
@@ -271,7 +275,7 @@ def save(fig: Figure, path: str | Path) -> Path:
 
 def only(kind: str, data: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """``data`` with only the optimizers or variants ``names`` and its reference (which every speed needs)."""
-    keep = {*names, data.get("reference", FOREACH_REFERENCE if kind == "optimizer step" else BF16_REFERENCE)}
+    keep = {*names, reference_of(kind, data)}
     results = data["results"]
     if kind == "optimizer step":
         return {**data, "results": [r for r in results if r["optimizer"] in keep]}

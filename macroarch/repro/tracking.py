@@ -71,14 +71,15 @@ def result_path(claim: str, profile: str, root: Path | None = None) -> Path:
     return (root or out_root()) / profile / claim / "result.json"
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_json_atomic(path: Path, data: Any, *, allow_nan: bool = False) -> None:
     """Replace ``path`` with ``data`` as JSON in one step: readers see the old file or the new, never half.
-    The file is world-readable (0644), like any output a user may want to share or serve."""
+    The file is world-readable (0644), like any output a user may want to share or serve. NaN and inf are refused
+    unless ``allow_nan`` (a benchmark's diverged variant is a result; a claim's metric is not)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
+            json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=allow_nan)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
