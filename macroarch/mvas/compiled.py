@@ -19,6 +19,10 @@ dequantisation of fewer than ``kernels.MIN_COMPILED_DEQUANTIZE`` elements runs e
 **Direct calls.** After the check, a kernel is called without dynamo and AOTAutograd around it where that is safe
 (``macroarch.mvas.direct``).
 
+**Native kernels.** A kernel may have hand-written stand-ins for some of its calls (``register``'s ``native``): the
+step of ``MVASAdamW``'s default storage on CPU (``macroarch.mvas.native``). One runs where it covers a call, in place
+of Inductor's kernel, under the same check, statistics and failure handling.
+
 **The cache and the CPU's vector ISA.** Inductor's FX graph cache stores the generated C++ source, whose loops
 are tiled for the vector width ``pick_vec_isa()`` chose at code generation (a step of 16 floats for AVX-512, 8 for
 AVX2), but on CPU its key holds no ISA (``CacheBase.get_system`` hashes only GPU properties; torch 2.14). The source
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import time
 import warnings
@@ -77,11 +82,13 @@ _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_cal
 _FAILED: dict[str, str] = {}  # kernel name -> why it could not be compiled in this process (``_compile_failed``)
 _GUARD = True  # check the first compiled call of each kernel against the eager path (``_check``)
 # kernel (name, ``_signature``) -> how it runs after its first compiled call was checked: a ``_Direct`` (compiled,
-# called straight), True (compiled, through dynamo: no direct call was captured), False (it differed: eager)
+# called straight) or a native kernel (``register``'s ``native``), True (compiled, through dynamo: no direct call was
+# captured), False (it differed: eager)
 _VERIFIED: dict[tuple, Any] = {}
 _COMPILED: dict[str, Any] = {}
 _PENDING: list[tuple] = []  # the kernel (name, ``_signature``) a compiled call may compile now (``_Inductor``)
 _SOURCES: dict[str, Any] = {}  # kernel name -> its eager source (``register``)
+_NATIVE: dict[str, Any] = {}  # kernel name -> its native kernels' factory (``register``)
 _DEVICES = ("cpu", "cuda")
 # os.environ's own mapping (CPython's ``os._Environ``: what os.environ, putenv and pytest's monkeypatch keep current),
 # read straight: compile_enabled is on the path of every weight read, and os.environ.get costs ~0.7 us of Python
@@ -112,10 +119,17 @@ def reset_compile_stats() -> None:
         _STATS[key] = 0.0 if key.endswith("_seconds") else 0
 
 
-def register(name: str, source: Callable[..., Any]) -> None:
-    """Make ``source`` (plain tensor ops, the eager reference) the kernel ``name`` that ``run`` calls."""
+def register(name: str, source: Callable[..., Any], native: Callable[[tuple], Any] | None = None) -> None:
+    """Make ``source`` (plain tensor ops, the eager reference) the kernel ``name`` that ``run`` calls. ``native``:
+    given a call's compiled-kernel arguments, a hand-written kernel that computes the same for them (a callable of
+    the arguments, with ``compile_seconds``; ``macroarch.mvas.native``), or None where Inductor's kernel runs. A
+    native kernel stands in for the compiled one: checked against the eager path on its first call, the same way."""
     _SOURCES[name] = source
     _COMPILED.pop(name, None)
+    if native is None:
+        _NATIVE.pop(name, None)
+    else:
+        _NATIVE[name] = native
 
 
 def _unwatched() -> bool:
@@ -141,6 +155,11 @@ def _rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """``t`` (contiguous) as ``rows`` rows: every input of a kernel has the same symbolic first dimension and a
     static second one, so the compiled loops see whole blocks without index arithmetic."""
     return None if t is None else t.view(rows, -1)
+
+
+def _row_length(*units: int) -> int:
+    """The shortest row of whole ``units`` (blocks, fp4 bytes): their least common multiple."""
+    return math.lcm(*units) if units else 1
 
 
 def _signature(args: tuple) -> tuple:
@@ -247,11 +266,31 @@ def run(name: str, rows: int | None, args: tuple, eager_args: tuple | None = Non
         _STATS["eager_calls"] += 1
         return source(*eager_args)
     try:
+        native = _native(name, args)
         if _GUARD:
-            return _check(name, key, args, eager_args, None if written is None else written(args))
+            return _check(name, key, args, eager_args, None if written is None else written(args), native)
+        if native is not None:
+            _VERIFIED[key] = native
+            _STATS["compiled_calls"] += 1
+            return native(args)
         return _compiled(name, args)
     except CompileFailed as failed:  # raised before anything was written: the caller's tensors are as they were
         return _compile_failed(name, failed.__cause__, source, eager_args)
+
+
+def _native(name: str, args: tuple) -> Any:
+    """The native kernel of ``name`` for ``args`` (built now; its build time counts as compiling), or None."""
+    factory = _NATIVE.get(name)
+    if factory is None:
+        return None
+    try:
+        native = factory(args)
+    except Exception as exc:  # noqa: BLE001  (no working C++ compiler, say: as a compilation that failed)
+        raise CompileFailed() from exc
+    if native is not None and native.compile_seconds:
+        _STATS["compile_seconds"] += native.compile_seconds
+        _STATS["compiles"] += 1
+    return native
 
 
 def _compile_failed(name: str, error: BaseException | None, source: Callable[..., Any], eager_args: tuple) -> Any:
@@ -265,7 +304,8 @@ def _compile_failed(name: str, error: BaseException | None, source: Callable[...
     return source(*eager_args)
 
 
-def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[tuple[Any, str]] | None) -> Any:
+def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[tuple[Any, str]] | None,
+           native: Any = None) -> Any:
     """The first compiled call of a kernel: the compiled kernel runs on copies of what it writes, the eager path on
     the caller's tensors, and the two results are compared (the dequantisation bitwise, the step within the bounds
     of ``macroarch.mvas.kernels``). Where they agree, the compiled values are copied into the caller's tensors: the
@@ -289,13 +329,19 @@ def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[
         swap = lambda t: copies.get(id(t), t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         compiled_args = torch.utils._pytree.tree_map(swap, args)
         lap = time.perf_counter()
-        _compiled(name, compiled_args)
-        start += time.perf_counter() - lap
-        direct = _Direct.build(key, compiled_args, None)
-        if direct is not None:  # the direct call, from the same values, is what later calls run: check that
-            for t in originals:
-                copies[id(t)].copy_(t)
-            direct(compiled_args)
+        if native is None:
+            _compiled(name, compiled_args)
+            start += time.perf_counter() - lap
+            direct = _Direct.build(key, compiled_args, None)
+            if direct is not None:  # the direct call, from the same values, is what later calls run: check that
+                for t in originals:
+                    copies[id(t)].copy_(t)
+                direct(compiled_args)
+        else:  # what later calls run
+            native(compiled_args)
+            start += time.perf_counter() - lap
+            direct = native
+            _STATS["compiled_calls"] += 1
         result = _SOURCES[name](*eager_args)
         _STATS["eager_calls"] += 1
         problem = None
@@ -311,7 +357,8 @@ def _check(name: str, key: tuple, args: tuple, eager_args: tuple, written: list[
     if problem is not None:
         _STATS["mismatches"] += 1
         spec = args[-1] if name == "adamw_step" else "format {}, block {}, {}".format(*args[2:5])
-        warnings.warn(f"macroarch.mvas.kernels: the compiled {name} kernel for {spec} differs from the eager path "
+        kind = "compiled" if native is None else "native"
+        warnings.warn(f"macroarch.mvas.kernels: the {kind} {name} kernel for {spec} differs from the eager path "
                       f"on vector ISA {vec_isa()!r} ({problem}); this process runs that kernel eagerly from now on. "
                       "A stale Inductor cache (TORCHINDUCTOR_CACHE_DIR) written under another ISA is one cause.",
                       RuntimeWarning, stacklevel=4)

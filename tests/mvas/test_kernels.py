@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from macroarch._weak import WeakById
-from macroarch.mvas import codecs, codegen, compiled, guard, kernels, plan_from_rules
+from macroarch.mvas import codecs, codegen, compiled, guard, kernels, native, plan_from_rules
 from macroarch.mvas.formats import FORMATS, pack
 from macroarch.mvas.optim import MVASAdamW, _min_subnormal
 from macroarch.mvas.store import apply
@@ -221,6 +221,7 @@ def test_after_its_check_a_kernel_is_called_directly_and_matches_eager_at_every_
     """Once its first call is checked, each kernel runs straight through the callable Inductor compiled (no dynamo
     frame per call): the dequantisation stays bitwise eager and the step within the stated ulps at new row
     counts, without a recompilation."""
+    monkeypatch.setenv(native.ENV, "0")  # Inductor's kernel (the default spec has a native one)
     torch._dynamo.reset()  # dynamo compiles again, so the direct calls are captured afresh
     monkeypatch.setattr(compiled, "_VERIFIED", {})
     monkeypatch.setattr(compiled, "_COMPILED", {})
@@ -316,6 +317,7 @@ def _bad_compiled(calls):
 def test_a_kernel_that_cannot_compile_warns_once_and_runs_eagerly_with_the_same_values(monkeypatch):
     """No working C++ compiler (torch.compile on CPU needs one), or Inductor raising: the user's step and forward
     still run, eagerly, with the eager (reference) values, and nothing half-written."""
+    monkeypatch.setenv(native.ENV, "0")  # Inductor's kernel (the default spec has a native one)
     def no_compiler():
         raise RuntimeError("No working C++ compiler found (a stand-in)")
 
@@ -352,6 +354,7 @@ def test_a_kernel_that_cannot_compile_warns_once_and_runs_eagerly_with_the_same_
 
 
 def test_a_compiled_kernel_that_differs_from_eager_warns_once_and_the_eager_result_is_used(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")  # Inductor's kernel (the default spec has a native one)
     calls = []
     monkeypatch.setattr(compiled, "_VERIFIED", {})
     monkeypatch.setattr(compiled, "_compiled", _bad_compiled(calls))
@@ -399,6 +402,7 @@ def test_a_step_that_passes_its_check_leaves_the_compiled_values_the_same_as_eve
     a step is then the same whether or not its kernel was checked earlier in the process (the same training run
     twice in one process gives the same bits). The stand-in compiled kernel moves the weight's block scales one
     ulp up, as a compiler that reorders may, within the guard's bounds."""
+    monkeypatch.setenv(native.ENV, "0")  # Inductor's kernel (the default spec has a native one)
     calls = []
 
     def ulp_apart(name, args, mark=True):
