@@ -1,5 +1,5 @@
-"""The packed AdamW step as one hand-fused CPU loop: ``MVASAdamW``'s default storage, the bits of Inductor's kernel
-for the same step, 2.4-2.9x faster (issue 14).
+"""The packed AdamW step as one hand-fused CPU loop: ``MVASAdamW``'s fp8 and fp4 weights with fp8 moments, the bits of
+Inductor's kernel for the same step, 2.4-2.9x faster (issue 14).
 
 ``macroarch.mvas.kernels.adamw_step`` is one Python source that ``torch.compile`` turns into Inductor's C++ on CPU
 and Triton on CUDA. On CPU, Inductor writes it as nine loops over the rows: the maxima of ``v``, ``sqrt(v)``'s block
@@ -12,19 +12,21 @@ scales follow, and the codes are written from the arrays. No temporaries, one pa
 
 **The same bits as the compiled kernel.** The float arithmetic is Inductor's, operation for operation: its
 decomposition of ``lerp``, its fused multiply-adds, the divisions, the floor of ``sqrt(v)``. The fp8 codes are the
-same bytes by a shorter road (both exact): a decode places the code's bits into an fp16 and converts it (``vcvtph2ps``:
-AVX-512, and F16C beside AVX2), as ``macroarch.mvas.codegen`` does; a rounding to nearest adds a power of two whose
-ulp is the fp8 spacing (the hardware's round-half-even, ``nearest_codes``); a stochastic rounding keeps the
-noise hash and reads the code from the bits. ``tests/mvas/test_native.py`` compares every byte written with
-Inductor's kernel (AVX-512, and AVX2 by emulation), and a training run of ``MVASAdamW`` with either. Like every
-compiled kernel, it agrees with the eager path within ``guard``'s bounds, and its first call of each signature in
-a process is checked against the eager path (``macroarch.mvas.compiled``). The source is C++ on ATen's vector types
-(16 lanes on AVX-512, 8 on AVX2), built by Inductor's own C++ toolchain, flags and cache for the ISA it picks.
+same bytes by a shorter road (both exact): a decode places the code's bits into an fp16 and converts it
+(``vcvtph2ps``: AVX-512, and F16C beside AVX2), as ``macroarch.mvas.codegen`` does; a rounding to nearest adds a
+power of two whose ulp is the fp8 spacing (the hardware's round-half-even, ``nearest_codes``); a stochastic rounding
+keeps the noise hash and reads the code from the bits. fp4 e2m1 values come from a table of the 16 (a vector
+permute), and its stochastic rounding is ``codecs._round_e2m1``'s, operation for operation.
+``tests/mvas/test_native.py`` compares every byte written with Inductor's kernel (AVX-512, and AVX2 by emulation),
+and a training run of ``MVASAdamW`` with either. Like every compiled kernel, it agrees with the eager path within
+``guard``'s bounds, and its first call of each signature in a process is checked against the eager path
+(``macroarch.mvas.compiled``). The source is C++ on ATen's vector types (16 lanes on AVX-512, 8 on AVX2), built by
+Inductor's own C++ toolchain, flags and cache for the ISA it picks.
 
-**What it covers**: fp8 e4m3 weights rounded stochastically without a master copy, fp8 e4m3 moments, a moments'
-block that whole weight blocks divide (both multiples of the vector width), float32 or bf16 gradients, on a CPU
-with AVX-512 or AVX2. Everything else (fp4, masters, dense moments, other blocks, CUDA) runs Inductor's kernel as
-before; ``MACROARCH_NATIVE=0`` runs Inductor's kernel here too (the reference of ``benchmarks/step_ab.py`` runs).
+**What it covers**: fp8 e4m3 or fp4 e2m1 weights rounded stochastically without a master copy, fp8 e4m3 moments, a
+moments' block that whole weight blocks divide (both multiples of the vector width), float32 or bf16 gradients, on a
+CPU with AVX-512 or AVX2. Everything else (e5m2, masters, dense moments, other blocks, CUDA) runs Inductor's kernel
+as before; ``MACROARCH_NATIVE=0`` runs Inductor's kernel here too (the reference of ``benchmarks/step_ab.py`` runs).
 
 Measured on one core of a 2-core Xeon (AVX-512), fp8 weights and moments, 2^20 elements, bf16 gradients, the kernel
 alone, alternating in one process: Inductor 12.6-14.3 ms (its temporaries included), this one 4.5-4.7 ms, foreach
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 ENV = "MACROARCH_NATIVE"
+_WEIGHTS = {"fp8_e4m3": (0, 448.0, 1), "fp4_e2m1": (1, 6.0, 2)}  # format -> (W_FP4, W_MAX, W_PER_BYTE)
 _CPP_TYPES = ["const void*"] * 9 + ["const int64_t", "const int64_t"]
 
 _SOURCE = r"""
@@ -116,6 +119,74 @@ static inline VI nearest_codes(V y) {
   return VI::blendv(code | sign, sign | VI(127), at::vec::cast<int32_t>(y != y));
 }
 
+#if W_FP4
+// L e2m1 codes (L/2 bytes, element 2j in the low nibble of byte j) -> float32: a table of the 16 values
+static inline V dec_weight(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m512i c = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi64(0xF)),
+                                    _mm512_slli_epi64(_mm512_and_si512(b, _mm512_set1_epi64(0xF0)), 28));
+  return V(_mm512_permutexvar_ps(c, _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f)));
+#else
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(word);
+  const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+  const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);  // by the low 3 bits
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  return V(_mm256_or_ps(_mm256_permutevar8x32_ps(table, c), _mm256_castsi256_ps(sign)));
+#endif
+}
+
+// L codes (0..15) -> L/2 bytes, two to a byte (codecs._pack_nibbles)
+static inline void store_weight(VI codes, uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i c = _mm512_and_si512(__m512i(codes), _mm512_set1_epi32(0xF));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
+#else
+  const __m256i c = _mm256_and_si256(__m256i(codes), _mm256_set1_epi32(0xF));
+  const __m256i pick = _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_or_si256(c, _mm256_srli_epi64(c, 28)), pick);  // 2 per lane
+  const uint32_t word = uint32_t(uint16_t(_mm256_extract_epi16(bytes, 0)))
+                        | (uint32_t(uint16_t(_mm256_extract_epi16(bytes, 8))) << 16);
+  std::memcpy(p, &word, 4);
+#endif
+}
+
+// y (|y| <= 6) rounded stochastically to e2m1 codes: codecs._stochastic_magnitude (1 mantissa bit, spacing 0.5 below
+// 1) and _round_e2m1's code from the bits, operation for operation, on 22 bits of the hash h
+static inline VI weight_codes(V y, VI h) {
+  const VI noise = (h >> VI(10)) & VI(4194303);
+  const V a = y.abs();
+  const V normal = at::vec::cast<float>((at::vec::cast<int32_t>(a) + noise) & VI(-4194304));
+  const V small = ((a * V(2.0f)) + at::vec::convert<float>(noise) * V(2.384185791015625e-07f)).floor() * V(0.5f);
+  const VI q = at::vec::cast<int32_t>(at::vec::clamp_max(V::blendv(normal, small, a < V(1.0f)), V(6.0f)));
+  const VI code = at::vec::maximum((q >> VI(22)) - VI(252), VI(0)) | ((q >> VI(23)) == VI(126) & VI(1));
+  return code | ((at::vec::cast<int32_t>(y) >> VI(28)) & VI(8));
+}
+#else
+static inline V dec_weight(const uint8_t* p) { return dec_e4m3(p); }
+static inline void store_weight(VI codes, uint8_t* p) { store_codes(codes, p); }
+
+// y (|y| <= 448, or NaN) rounded stochastically to e4m3 codes: codecs._stochastic_magnitude and _fp8_codes on 20
+// bits of the hash h: below 2^-6, floor(a / 2^-9 + u), u = noise / 2^20; above, the bits of a plus the noise, cut to
+// 3 mantissa bits (the same codes as Inductor's, which rounds the value first and reads the code back from it)
+static inline VI weight_codes(V y, VI h) {
+  const VI noise = (h >> VI(12)) & VI(1048575);
+  const V a = y.abs();
+  const V u = at::vec::convert<float>(noise) * V(9.5367431640625e-07f);
+  const VI small = at::vec::convert<int32_t>((a * V(512.0f)) + u);
+  const VI normal = ((at::vec::cast<int32_t>(a) + noise) >> VI(20)) - VI(960);
+  const VI code = VI::blendv(normal, small, at::vec::cast<int32_t>(a < V(0.015625f)));
+  const VI sign = (at::vec::cast<int32_t>(y) >> VI(24)) & VI(128);
+  return VI::blendv(code | sign, sign | VI(127), at::vec::cast<int32_t>(y != y));
+}
+#endif
+
 static inline float row_max(V acc) {
   return max_propagate_nan(-std::numeric_limits<float>::infinity(),
       at::vec::vec_reduce_all<float, 1>([](V& x, V& y) { return at::vec::maximum(x, y); }, acc));
@@ -156,7 +227,7 @@ extern "C" void kernel(const void* grad, const void* w_codes_in, const void* w_s
       v_acc = at::vec::maximum(v_acc, v_new);
       const V s_new = v_new.sqrt();
       const V update = m_new / (s_new / V(bc2) + V(eps));
-      const V w_old = dec_e4m3(w_codes + i) * V(w_scales[r * NW + x / WB]);
+      const V w_old = dec_weight(w_codes + i / W_PER_BYTE) * V(w_scales[r * NW + x / WB]);
       const V w_new = at::vec::fmadd(update, V(neg_step), w_old * V(decay));
       m_acc = at::vec::maximum(m_acc, m_new.abs());
       w_acc[x / WB] = at::vec::maximum(w_acc[x / WB], w_new.abs());
@@ -169,7 +240,7 @@ extern "C" void kernel(const void* grad, const void* w_codes_in, const void* w_s
     const float s_div = s_new_scale > 0.0f ? s_new_scale : 1.0f, m_div = m_new_scale > 0.0f ? m_new_scale : 1.0f;
     float w_div[NW];
     for (int b = 0; b < NW; ++b) {
-      const float scale = row_max(w_acc[b]) / 448.0f;
+      const float scale = row_max(w_acc[b]) / W_MAX;
       w_scales[r * NW + b] = scale;
       w_div[b] = scale > 0.0f ? scale : 1.0f;
     }
@@ -182,23 +253,14 @@ extern "C" void kernel(const void* grad, const void* w_codes_in, const void* w_s
                   s_codes + i);
       store_codes(nearest_codes(at::vec::clamp_max(at::vec::clamp_min(V::loadu(m_row + x) / V(m_div), lo), hi)),
                   m_codes + i);
-      // the weight, rounded stochastically: codecs._stochastic_magnitude and _fp8_codes on noise.counter_noise
-      const V y = at::vec::clamp_max(at::vec::clamp_min(V::loadu(w_row + x) / V(w_div[x / WB]), lo), hi);
-      const V a = y.abs();
+      // the weight, rounded stochastically on noise.counter_noise's hash of the element's index
+      const V y = at::vec::clamp_max(at::vec::clamp_min(V::loadu(w_row + x) / V(w_div[x / WB]), V(-W_MAX)), V(W_MAX));
       VI h = (VI(int32_t(i)) + VI::arange(0, 1) + VI(first)) * VI(1640531527) + VI(key);
       h = h ^ ((h >> VI(16)) & VI(65535));
       h = h * VI(2146121005);
       h = h ^ ((h >> VI(15)) & VI(131071));
       h = h * VI(-2073254261);
-      h = h ^ ((h >> VI(16)) & VI(65535));
-      const VI noise = (h >> VI(12)) & VI(1048575);
-      // below 2^-6: floor(a / 2^-9 + u), u = noise / 2^20; above: the bits of a plus the noise, cut to 3 mantissa bits
-      const V u = at::vec::convert<float>(noise) * V(9.5367431640625e-07f);
-      const VI small = at::vec::convert<int32_t>((a * V(512.0f)) + u);
-      const VI normal = ((at::vec::cast<int32_t>(a) + noise) >> VI(20)) - VI(960);
-      const VI code = VI::blendv(normal, small, at::vec::cast<int32_t>(a < V(0.015625f)));
-      const VI sign = (at::vec::cast<int32_t>(y) >> VI(24)) & VI(128);
-      store_codes(VI::blendv(code | sign, sign | VI(127), at::vec::cast<int32_t>(y != y)), w_codes + i);
+      store_weight(weight_codes(y, h ^ ((h >> VI(16)) & VI(65535))), w_codes + i / W_PER_BYTE);
     }
   }
 }
@@ -222,7 +284,8 @@ def covers(spec: Any, grad_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the fused kernel computes this step (module docstring: what it covers)."""
     if device.type != "cpu" or not enabled() or grad_dtype not in (torch.float32, torch.bfloat16):
         return False
-    if (spec.weight_format, spec.state_format, spec.stochastic, spec.master) != ("fp8_e4m3", "fp8_e4m3", True, False):
+    if spec.weight_format not in _WEIGHTS or (spec.state_format, spec.stochastic, spec.master) != (
+            "fp8_e4m3", True, False):
         return False
     lanes = _vector_width()
     wb, sb = spec.weight_block, spec.state_block
@@ -230,12 +293,13 @@ def covers(spec: Any, grad_dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @functools.cache
-def _module(weight_block: int, state_block: int, bf16_grad: bool, v_floor: float) -> Any:
+def _module(weight_format: str, weight_block: int, state_block: int, bf16_grad: bool, v_floor: float) -> Any:
     """The fused kernel for one storage, built (and cached on disk) by Inductor's C++ toolchain for its vector ISA."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     header = (f"#define WB {weight_block}\n#define SB {state_block}\n#define GRAD_BF16 {int(bf16_grad)}\n"
               f"#define V_FLOOR {float(v_floor)!r}f\n")
+    header += "#define W_FP4 {}\n#define W_MAX {!r}f\n#define W_PER_BYTE {}\n".format(*_WEIGHTS[weight_format])
     return CppPythonBindingsCodeCache.load_pybinding(_CPP_TYPES, header + _SOURCE)
 
 
@@ -248,7 +312,8 @@ class NativeStep:
 
     def __init__(self, spec: Any, grad_dtype: torch.dtype) -> None:
         start = time.perf_counter()
-        self.call = _module(spec.weight_block, spec.state_block, grad_dtype == torch.bfloat16, spec.v_floor)
+        self.call = _module(spec.weight_format, spec.weight_block, spec.state_block, grad_dtype == torch.bfloat16,
+                            spec.v_floor)
         self.compile_seconds = time.perf_counter() - start
 
     def __call__(self, args: tuple) -> None:

@@ -22,6 +22,7 @@ from macroarch.optim.functional import adamw_scalars
 FLOOR = _min_subnormal("fp8_e4m3")
 SPEC = kernels.StepSpec("fp8_e4m3", 32, True, False, "fp8_e4m3", 128, FLOOR)
 SMALL_BLOCKS = kernels.StepSpec("fp8_e4m3", 16, True, False, "fp8_e4m3", 64, FLOOR)
+FP4 = kernels.StepSpec("fp4_e2m1", 32, True, False, "fp8_e4m3", 128, FLOOR)
 
 pytestmark = pytest.mark.skipif(native._vector_width() is None, reason="no AVX-512 or AVX2 here")
 
@@ -31,14 +32,14 @@ def _state(n, spec, seed, step):
     block of zero gradients, sqrt(v) codes that underflowed to 0 (the floor), a weight block at the format's top."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, generator=g) * 0.02
-    w[: spec.weight_block] *= 1e4  # codes near 448 after the scale
+    w[: spec.weight_block] *= 1e4  # a block of large weights
     m = torch.randn(n, generator=g) * 1e-4
     v = torch.rand(n, generator=g) * 1e-6
     m[: spec.state_block] = 0
     v[spec.state_block: spec.state_block + 7] = 1e-30
     if step == 1:  # the first step: zero moments
         m.zero_(), v.zero_()
-    packed = [pack(w, "fp8_e4m3", spec.weight_block, rounding="nearest"), pack(m, "fp8_e4m3", spec.state_block),
+    packed = [pack(w, spec.weight_format, spec.weight_block), pack(m, "fp8_e4m3", spec.state_block),
               pack(v.sqrt(), "fp8_e4m3", spec.state_block)]
     grad = torch.randn(n, generator=g) * 1e-3
     grad[2 * spec.state_block: 3 * spec.state_block] = 0
@@ -59,7 +60,7 @@ def _bytes(state):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec, grad_dtype", [(SPEC, torch.bfloat16), (SPEC, torch.float32),
-                                              (SMALL_BLOCKS, torch.float32)])
+                                              (SMALL_BLOCKS, torch.float32), (FP4, torch.bfloat16)])
 def test_the_fused_step_is_bitwise_inductors_kernel_of_the_same_step(spec, grad_dtype):
     """Every code and scale it writes equals what Inductor's compiled kernel writes, on the first step (zero moments)
     and a later one, one thread and two (the rows split across threads)."""
@@ -84,9 +85,10 @@ def test_the_fused_step_is_bitwise_inductors_kernel_of_the_same_step(spec, grad_
 
 def test_it_covers_only_the_storage_it_was_written_for(monkeypatch):
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert native.covers(SPEC, bf16, cpu)
+    assert native.covers(SPEC, bf16, cpu) and native.covers(FP4, bf16, cpu)
     other = [SPEC.__class__(*fields) for fields in (
-        ("fp4_e2m1", 32, True, False, "fp8_e4m3", 128, FLOOR),  # fp4 weights
+        ("fp8_e5m2", 32, True, False, "fp8_e4m3", 128, FLOOR),  # e5m2 weights
+        ("fp8_e4m3", 32, True, False, "fp8_e5m2", 128, FLOOR),  # e5m2 moments
         ("fp8_e4m3", 32, False, False, "fp8_e4m3", 128, FLOOR),  # rounded to nearest
         ("fp8_e4m3", 32, True, True, "fp8_e4m3", 128, FLOOR),  # a master copy
         ("fp8_e4m3", 32, True, False, "fp32", None, FLOOR),  # dense moments
@@ -147,15 +149,15 @@ def test_a_fused_kernel_that_cannot_build_warns_and_runs_eagerly(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(_bytes(state), _bytes(twin)))
 
 
-def _train(steps, monkeypatch, native_on):
-    """MVASAdamW (fp8 weights and moments, bf16 gradients) on three tensors for ``steps`` steps: its weights' bytes,
-    its state dict, and the kinds of the kernels that ran."""
+def _train(steps, monkeypatch, native_on, fmt):
+    """MVASAdamW (``fmt`` weights, fp8 moments, bf16 gradients) on three tensors for ``steps`` steps: its weights'
+    bytes, its state dict, and the kinds of the kernels that ran."""
     monkeypatch.setenv(native.ENV, "1" if native_on else "0")
     monkeypatch.setenv(kernels.ENV, "1")
     monkeypatch.setattr(compiled, "_VERIFIED", {})
     g = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(MVASWeight.from_packed(pack(torch.randn(rows, 256, generator=g) * 0.02, "fp8_e4m3",
-                                                             32), torch.bfloat16)) for rows in (4, 24, 9)]
+    params = [torch.nn.Parameter(MVASWeight.from_packed(pack(torch.randn(rows, 256, generator=g) * 0.02, fmt, 32),
+                                                     torch.bfloat16)) for rows in (4, 24, 9)]
     opt = MVASAdamW(params, lr=1e-3, weight_decay=0.1, seed=0, state_format="fp8_e4m3", state_block_size=128)
     for _ in range(steps):
         for p in params:
@@ -166,11 +168,12 @@ def _train(steps, monkeypatch, native_on):
 
 
 @pytest.mark.slow
-def test_mvas_adamw_trains_to_the_same_bits_with_the_fused_step_as_with_inductors(monkeypatch):
-    """Five steps of MVASAdamW's default storage, through its prepared calls: the same weights and state as with
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp4_e2m1"])
+def test_mvas_adamw_trains_to_the_same_bits_with_the_fused_step_as_with_inductors(monkeypatch, fmt):
+    """Five steps of MVASAdamW (fp8 moments), through its prepared calls: the same weights and state as with
     Inductor's kernel, and the fused kernel is what ran."""
-    fused, fused_state, fused_kinds = _train(5, monkeypatch, True)
-    inductor, inductor_state, inductor_kinds = _train(5, monkeypatch, False)
+    fused, fused_state, fused_kinds = _train(5, monkeypatch, True, fmt)
+    inductor, inductor_state, inductor_kinds = _train(5, monkeypatch, False, fmt)
     # (the smallest tensor keeps float32 moments, MVASAdamW's rule for small tensors: Inductor's kernel for both)
     assert "NativeStep" in fused_kinds and inductor_kinds and "NativeStep" not in inductor_kinds
     assert all(torch.equal(a, b) for a, b in zip(fused, inductor))
@@ -193,4 +196,4 @@ def test_under_avx2_too_when_this_cpu_has_avx512(tmp_path):
                            "-k", "bitwise or same_bits", "-o", "addopts="], env=env, capture_output=True, text=True,
                           timeout=900, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "4 passed" in done.stdout, done.stdout[-2000:]
+    assert "6 passed" in done.stdout, done.stdout[-2000:]
