@@ -16,8 +16,8 @@ side without comparing their clocks.
 - **Optimizer step** (``optimizer_step.py``): above, each optimizer's speed relative to torch's foreach AdamW at
   the same size and threads, against the elements per step (one line per optimizer: solid on the fewest threads,
   dashed on more); below, the share of the run's bandwidth limit its bytes reached (its achieved GB/s over the
-  limit the run measured). Issue 14's question is where the MVAS lines cross 1: an optimizer that moves a third of
-  the bytes is faster only where the reference is held up by memory, not by arithmetic.
+  limit the run measured). Issue 14's question is whether the MVAS lines stay above 1: an optimizer that moves a
+  third of the bytes is faster where the reference is held up by memory, and elsewhere only if its arithmetic is.
 - **Training step** (``mvas.py``): above, each variant's speed relative to the bf16 + fp32-master reference against
   the tokens per step, with the target the run recorded for MVAS + DGR (issue 14: 0.9x); below, each variant's
   bytes per parameter against that speed at the first tokens count, the target corner (at most the bytes, at least

@@ -1,5 +1,5 @@
 """The packed AdamW step as one hand-fused CPU loop: ``MVASAdamW``'s fp8 and fp4 weights with fp8 moments, the bits of
-Inductor's kernel for the same step, 2.4-2.9x faster (issue 14).
+Inductor's kernel for the same step, in 0.6-0.7 of its time (issue 14).
 
 ``macroarch.mvas.kernels.adamw_step`` is one Python source that ``torch.compile`` turns into Inductor's C++ on CPU
 and Triton on CUDA. On CPU, Inductor writes it as nine loops over the rows: the maxima of ``v``, ``sqrt(v)``'s block
@@ -28,9 +28,12 @@ moments' block that whole weight blocks divide (both multiples of the vector wid
 CPU with AVX-512 or AVX2. Everything else (e5m2, masters, dense moments, other blocks, CUDA) runs Inductor's kernel
 as before; ``MACROARCH_NATIVE=0`` runs Inductor's kernel here too (the reference of ``benchmarks/step_ab.py`` runs).
 
-Measured on one core of a 2-core Xeon (AVX-512), fp8 weights and moments, 2^20 elements, bf16 gradients, the kernel
-alone, alternating in one process: Inductor 12.6-14.3 ms (its temporaries included), this one 4.5-4.7 ms, foreach
-AdamW in float32 6.0-7.3 ms; emulating AVX2, 10.2-16.1 against 7.0-10.5 (foreach 7.5-12.0).
+Measured on one core of a 2-core Xeon (AVX-512), one weight of 2^20 elements, bf16 gradients, ``MVASAdamW``'s step
+with this kernel against the same step with Inductor's (``MACROARCH_NATIVE=0``), in lock-step
+(``benchmarks/step_ab.py``, 16 blocks of 10 steps): 0.712 of the time with fp8 weights (quartiles 0.691-0.753), 0.714
+with fp4 weights, 0.613 emulating AVX2 (fp8); against foreach AdamW in float32, 0.883 of its time (fp8). The kernel
+alone, called in a loop: 4.5-4.8 ms against Inductor's 11.4-14.3, whose temporaries took fresh pages on every call
+in that process (the page faults of ``benchmarks/optimizer_step.py``'s notes).
 """
 
 from __future__ import annotations
