@@ -48,6 +48,7 @@ import torch
 ENV = "MACROARCH_NATIVE"
 _WEIGHTS = {"fp8_e4m3": (0, 448.0, 1), "fp4_e2m1": (1, 6.0, 2)}  # format -> (W_FP4, W_MAX, W_PER_BYTE)
 _CPP_TYPES = ["const void*"] * 9 + ["const int64_t", "const int64_t"]
+_BUILT: set[tuple] = set()  # the storages whose kernel this process has built or loaded (``NativeStep``)
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -309,15 +310,16 @@ def _module(weight_format: str, weight_block: int, state_block: int, bf16_grad: 
 class NativeStep:
     """The fused kernel of one step signature, called with ``kernels.adamw_step``'s compiled-kernel arguments
     (``(grad_rows, (w_codes, w_scales), None, (m_codes, m_scales), (s_codes, s_scales), counter, scalars, spec)``);
-    ``compile_seconds``: what building it took (0 when Inductor's cache had it)."""
+    ``compile_seconds``: what building or loading it took in this process (0 when an earlier one did)."""
 
     __slots__ = ("call", "compile_seconds")
 
     def __init__(self, spec: Any, grad_dtype: torch.dtype) -> None:
+        key = (spec.weight_format, spec.weight_block, spec.state_block, grad_dtype == torch.bfloat16, spec.v_floor)
         start = time.perf_counter()
-        self.call = _module(spec.weight_format, spec.weight_block, spec.state_block, grad_dtype == torch.bfloat16,
-                            spec.v_floor)
-        self.compile_seconds = time.perf_counter() - start
+        self.call = _module(*key)
+        self.compile_seconds = 0.0 if key in _BUILT else time.perf_counter() - start
+        _BUILT.add(key)
 
     def __call__(self, args: tuple) -> None:
         grad, (w, ws), _, (m, ms), (s, ss), counter, scalars, _ = args

@@ -101,6 +101,13 @@ def test_it_covers_only_the_storage_it_was_written_for(monkeypatch):
     assert not native.covers(SPEC, bf16, cpu)
 
 
+def test_building_it_counts_as_compiling_once_per_storage(monkeypatch):
+    """``compile_stats`` counts a build (or a load from Inductor's disk cache) once per storage and process."""
+    monkeypatch.setattr(native, "_BUILT", set())
+    first, again = native.NativeStep(SPEC, torch.bfloat16), native.NativeStep(SPEC, torch.bfloat16)
+    assert first.compile_seconds > 0 and again.compile_seconds == 0 and first.call is again.call
+
+
 def test_a_fused_kernel_that_differs_from_eager_warns_once_and_the_eager_result_is_used(monkeypatch):
     """The guard of every compiled kernel holds for it: a kernel that writes wrong codes (a stand-in here) is caught on
     its first call, named as the native kernel, and the step then runs eagerly; nothing it wrote reaches the user."""
