@@ -20,8 +20,8 @@ dequantisation of fewer than ``kernels.MIN_COMPILED_DEQUANTIZE`` elements runs e
 (``macroarch.mvas.direct``).
 
 **Native kernels.** A kernel may have hand-written stand-ins for some of its calls (``register``'s ``native``): the
-step of ``MVASAdamW``'s default storage on CPU (``macroarch.mvas.native``). One runs where it covers a call, in place
-of Inductor's kernel, under the same check, statistics and failure handling.
+step of ``MVASAdamW``'s fp8 and fp4 storages on CPU (``macroarch.mvas.native``). One runs where it covers a call, in
+place of Inductor's kernel, under the same check, statistics and failure handling.
 
 **The cache and the CPU's vector ISA.** Inductor's FX graph cache stores the generated C++ source, whose loops
 are tiled for the vector width ``pick_vec_isa()`` chose at code generation (a step of 16 floats for AVX-512, 8 for

@@ -1,6 +1,6 @@
 """The hand-fused CPU step (``macroarch.mvas.native``): bit for bit Inductor's kernel of the same step (the
 independent reference: the code ``torch.compile`` generates from ``kernels._adamw_step``), checked against eager on
-its first call like every compiled kernel, and what ``MVASAdamW`` runs for its default storage."""
+its first call like every compiled kernel, and what ``MVASAdamW`` runs for fp8 and fp4 weights."""
 
 from __future__ import annotations
 
