@@ -159,7 +159,7 @@ def _rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
 
 def _row_length(*units: int) -> int:
     """The shortest row of whole ``units`` (blocks, fp4 bytes): their least common multiple."""
-    return math.lcm(*units) if units else 1
+    return math.lcm(*units)  # 1 for none
 
 
 def _signature(args: tuple) -> tuple:

@@ -191,6 +191,11 @@ static inline VI weight_codes(V y, VI h) {
 }
 #endif
 
+// a row's value over its block's divisor, clamped to the format's range (codecs.encode's y)
+static inline V scaled(const float* row, float divisor, float max) {
+  return at::vec::clamp_max(at::vec::clamp_min(V::loadu(row) / V(divisor), V(-max)), V(max));
+}
+
 static inline float row_max(V acc) {
   return max_propagate_nan(-std::numeric_limits<float>::infinity(),
       at::vec::vec_reduce_all<float, 1>([](V& x, V& y) { return at::vec::maximum(x, y); }, acc));
@@ -252,13 +257,10 @@ extern "C" void kernel(const void* grad, const void* w_codes_in, const void* w_s
     m_scales[r] = m_new_scale;
     for (int64_t x = 0; x < SB; x += L) {
       const int64_t i = r * SB + x;
-      const V lo(-448.0f), hi(448.0f);
-      store_codes(nearest_codes(at::vec::clamp_max(at::vec::clamp_min(V::loadu(s_row + x) / V(s_div), lo), hi)),
-                  s_codes + i);
-      store_codes(nearest_codes(at::vec::clamp_max(at::vec::clamp_min(V::loadu(m_row + x) / V(m_div), lo), hi)),
-                  m_codes + i);
+      store_codes(nearest_codes(scaled(s_row + x, s_div, 448.0f)), s_codes + i);
+      store_codes(nearest_codes(scaled(m_row + x, m_div, 448.0f)), m_codes + i);
       // the weight, rounded stochastically on noise.counter_noise's hash of the element's index
-      const V y = at::vec::clamp_max(at::vec::clamp_min(V::loadu(w_row + x) / V(w_div[x / WB]), V(-W_MAX)), V(W_MAX));
+      const V y = scaled(w_row + x, w_div[x / WB], W_MAX);
       VI h = (VI(int32_t(i)) + VI::arange(0, 1) + VI(first)) * VI(1640531527) + VI(key);
       h = h ^ ((h >> VI(16)) & VI(65535));
       h = h * VI(2146121005);
@@ -327,12 +329,11 @@ class NativeStep:
 
     def bind(self, weight: tuple, exp_avg: tuple, exp_avg_sq: tuple) -> Any:
         """``call(grad_rows, counter, scalars)``: a step of these stored tensors (rows of the moments' block)."""
-        fn, written = self.call, [weight[0], weight[1], exp_avg[0], exp_avg[1], exp_avg_sq[0], exp_avg_sq[1]]
-        rows, bump = exp_avg[1].numel(), torch.autograd.graph.increment_version
-        tensors = (*weight, *exp_avg, *exp_avg_sq)
+        fn, rows, bump = self.call, exp_avg[1].numel(), torch.autograd.graph.increment_version
+        written = [*weight, *exp_avg, *exp_avg_sq]  # the kernel's arguments after the gradient, all written
 
         def step(grad: torch.Tensor, counter: torch.Tensor, scalars: torch.Tensor) -> None:
-            fn(grad, *tensors, counter, scalars, rows, torch.get_num_threads())
+            fn(grad, *written, counter, scalars, rows, torch.get_num_threads())
             bump(written)  # as AOTAutograd's wrapper does: autograd sees the in-place writes
 
         return step

@@ -108,6 +108,25 @@ def test_building_it_counts_as_compiling_once_per_storage(monkeypatch):
     assert first.compile_seconds > 0 and again.compile_seconds == 0 and first.call is again.call
 
 
+def _step_warns_and_equals_eager(step, warning):
+    """One step of SPEC's storage through ``kernels.adamw_step`` (compiled allowed): it warns ``warning`` and leaves
+    the eager step's bytes, compared with the same step run eagerly on a copy. Returns a call that steps it again."""
+    state, grad = _state(8 * 128, SPEC, seed=step, step=step)
+    twin = copy.deepcopy(state)
+    counter = torch.tensor([kernels.stream_key(0, 0, step), 0])
+    scalars = adamw_scalars(float(step), 1e-3, 0.9, 0.999, 1e-8, 0.1)
+
+    def run(stored, **kwargs):
+        kernels.adamw_step(grad, tuple(stored[0]), None, tuple(stored[1]), tuple(stored[2]), counter, scalars, SPEC,
+                           **kwargs)
+
+    with pytest.warns(RuntimeWarning, match=warning):
+        run(state)
+    run(twin, compile=False)
+    assert all(torch.equal(a, b) for a, b in zip(_bytes(state), _bytes(twin)))
+    return lambda: run(state)
+
+
 def test_a_fused_kernel_that_differs_from_eager_warns_once_and_the_eager_result_is_used(monkeypatch):
     """The guard of every compiled kernel holds for it: a kernel that writes wrong codes (a stand-in here) is caught on
     its first call, named as the native kernel, and the step then runs eagerly; nothing it wrote reaches the user."""
@@ -121,18 +140,10 @@ def test_a_fused_kernel_that_differs_from_eager_warns_once_and_the_eager_result_
     monkeypatch.setattr(compiled, "_VERIFIED", {})
     monkeypatch.setattr(native.NativeStep, "__call__", corrupting)
     kernels.reset_compile_stats()
-    state, grad = _state(8 * 128, SPEC, seed=3, step=3)
-    twin = copy.deepcopy(state)
-    counter = torch.tensor([kernels.stream_key(0, 0, 3), 0])
-    scalars = adamw_scalars(3.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
-    with pytest.warns(RuntimeWarning, match=r"native adamw_step kernel for StepSpec.*differs"):
-        kernels.adamw_step(grad, *map(tuple, state[:1]), None, *map(tuple, state[1:]), counter, scalars, SPEC)
-    kernels.adamw_step(grad, *map(tuple, twin[:1]), None, *map(tuple, twin[1:]), counter, scalars, SPEC,
-                       compile=False)
-    assert all(torch.equal(a, b) for a, b in zip(_bytes(state), _bytes(twin)))
+    step_again = _step_warns_and_equals_eager(3, r"native adamw_step kernel for StepSpec.*differs")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: eager from now on, silently
-        kernels.adamw_step(grad, *map(tuple, state[:1]), None, *map(tuple, state[1:]), counter, scalars, SPEC)
+        step_again()
     stats = kernels.compile_stats()
     assert stats["mismatches"] == 1 and stats["checks"] == 1
 
@@ -145,15 +156,7 @@ def test_a_fused_kernel_that_cannot_build_warns_and_runs_eagerly(monkeypatch):
     for name, value in (("_VERIFIED", {}), ("_FAILED", {})):
         monkeypatch.setattr(compiled, name, value)
     monkeypatch.setattr(native, "_module", no_compiler)
-    state, grad = _state(8 * 128, SPEC, seed=4, step=4)
-    twin = copy.deepcopy(state)
-    counter = torch.tensor([kernels.stream_key(0, 0, 4), 0])
-    scalars = adamw_scalars(4.0, 1e-3, 0.9, 0.999, 1e-8, 0.1)
-    with pytest.warns(RuntimeWarning, match=r"adamw_step kernel could not be compiled \(RuntimeError: No working C"):
-        kernels.adamw_step(grad, *map(tuple, state[:1]), None, *map(tuple, state[1:]), counter, scalars, SPEC)
-    kernels.adamw_step(grad, *map(tuple, twin[:1]), None, *map(tuple, twin[1:]), counter, scalars, SPEC,
-                       compile=False)
-    assert all(torch.equal(a, b) for a, b in zip(_bytes(state), _bytes(twin)))
+    _step_warns_and_equals_eager(4, r"adamw_step kernel could not be compiled \(RuntimeError: No working C")
 
 
 def _train(steps, monkeypatch, native_on, fmt):
