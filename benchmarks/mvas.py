@@ -22,7 +22,7 @@ MVAS                            bf16 compute, ``compose.apply`` with a budget pl
                                 ``--weight-bytes`` per managed element): ``mvas.apply``, ``MVASAdamW`` (fp8 moments,
                                 stochastic rounding)
 MVAS + DGR                      the same inside ``DGRWrapper`` (sync): each group's gradients are freed once it steps
-MVAS + DGR (eager)              the same with ``MACROARCH_COMPILE=0`` (``macroarch.mvas.kernels``' eager path);
+MVAS + DGR (eager)              the same with ``MACROARCH_COMPILE=0`` (``macroarch.mvas._kernels``' eager path);
                                 only with ``--only`` or ``--eager-too``
 ==============================  =================================================================================
 

@@ -15,7 +15,7 @@ runs with one thread and with every core this process may use (``--threads``).
 Optimizers: torch AdamW on fp32 weights (``foreach``, and ``fused`` where the build has a CPU kernel),
 ``CompensatedAdamW`` (fp32; and bf16 weights with an fp32 master, the mixed-precision reference),
 ``MVASAdamW`` on MVAS weights (bf16 compute and gradients, fp8 e4m3 or fp4 e2m1 weights in blocks of 32,
-fp8 moments in blocks of 128), compiled and eager where ``macroarch.mvas.kernels`` exists (the eager row sets
+fp8 moments in blocks of 128), compiled and eager where ``macroarch.mvas._kernels`` exists (the eager row sets
 ``MACROARCH_COMPILE=0``; a row says how many of its steps ran compiled), torchao ``AdamW8bit`` and
 bitsandbytes ``AdamW8bit`` (fp32 weights, 8-bit block-quantised moments) when importable ("not installed"
 otherwise).
@@ -65,7 +65,7 @@ from _common import (
 )
 
 from macroarch.mvas import MVASWeight
-from macroarch.mvas.formats import pack
+from macroarch.mvas import pack
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.optim import CompensatedAdamW
 

@@ -14,7 +14,7 @@ random order, learnable in a few dozen steps). Rank 0 prints the loss of every s
 - ``--dgr sync``: DGR's per-group updates during backward, each group stepping once its gradients are
   reduced (``macroarch.dgr.distributed``): the same weights as the plain step, groups updated earlier.
 - ``--mvas``: packed fp8 weights (``macroarch.mvas``), all-gathered packed by FSDP2 and updated by
-  ``MVASAdamW`` (fsdp2 only: ``macroarch.mvas.fsdp``).
+  ``MVASAdamW`` (fsdp2 only: ``macroarch.mvas.interop.fsdp``).
 
 The optimizer is ``CompensatedAdamW`` (with its options off: AdamW), or ``MVASAdamW`` with ``--mvas``.
 Backend: NCCL when CUDA is available (one GPU per rank, ``LOCAL_RANK``), else gloo on the CPU.
@@ -89,7 +89,7 @@ def build(args: argparse.Namespace, device: torch.device, example: dict):
     shard_one = None
     if args.mvas:
         from macroarch import mvas
-        from macroarch.mvas.fsdp import fully_shard as shard_one  # packed shards and all-gathers
+        from macroarch.mvas.interop.fsdp import fully_shard as shard_one  # packed shards and all-gathers
         plan = mvas.plan_from_rules(model, [("*.h.*", "fp8_e4m3"), ("*.layers.*", "fp8_e4m3")], block_size=32)
         mvas.apply(model, plan)
         optimizer_cls, kwargs = mvas.MVASAdamW, {**kwargs, "seed": args.seed}

@@ -1,5 +1,5 @@
 """References to tensors that never keep them alive: a map weak on its tensor keys (by identity), and a tensor on
-another's storage that holds no reference to it. What caches keyed on a tensor (``macroarch.mvas.kernels``' kept
+another's storage that holds no reference to it. What caches keyed on a tensor (``macroarch.mvas._kernels``' kept
 plans) need so that a weight they once served can still be freed."""
 
 from __future__ import annotations

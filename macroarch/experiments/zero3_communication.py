@@ -319,7 +319,7 @@ def packed_ranks(workload: dict, formats: list[str], block_size: int, steps: int
 def _eager_kernels() -> Iterator[None]:
     """MVAS's kernels eager (``MACROARCH_COMPILE=0``): a few steps of a small model count bytes, not speed, and
     compiling them would cost each rank seconds."""
-    from macroarch.mvas.kernels import ENV
+    from macroarch.mvas._kernels import ENV
 
     previous = os.environ.get(ENV)
     os.environ[ENV] = "0"
@@ -339,7 +339,7 @@ def _packed_format(work: Workload, batches: list, fmt: str, block_size: int, lr:
 
     from macroarch.measure.fsdp_bytes import count_collectives, rank_bytes
     from macroarch.mvas import MVASAdamW, apply, get_format, plan_from_rules
-    from macroarch.mvas import fsdp as mvas_fsdp
+    from macroarch.mvas.interop import fsdp as mvas_fsdp
 
     model = work.model().to(torch.bfloat16)
     blocks = list(model.transformer.h)

@@ -85,11 +85,15 @@ def count_collectives() -> Iterator[CollectiveLog]:
 
 def _storages(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (an MVAS weight: its payload's and scales')."""
-    from macroarch.mvas.tensor import MVASWeight
+    from torch.distributed.tensor import DTensor
+
+    from macroarch.mvas import MVASWeight
 
     seen: dict[int, int] = {}
     for t in tensors:
-        t = getattr(t, "_local_tensor", t)
+        if isinstance(t, DTensor):
+            with torch.no_grad():  # without grad, to_local() is the rank's shard itself, not an autograd view
+                t = t.to_local()
         inner = [t.payload, t.scales] if isinstance(t, MVASWeight) else [t]
         for x in inner:
             if x is not None and x.numel():
@@ -118,7 +122,7 @@ def measure_fsdp(d_model: int = 64, n_layers: int = 2, tokens: int = 8, steps: i
 
     from macroarch.measure.workload import Workload
     from macroarch.mvas import MVASAdamW, apply, plan_from_rules
-    from macroarch.mvas import fsdp as mvas_fsdp
+    from macroarch.mvas.interop import fsdp as mvas_fsdp
 
     work = Workload(d_model=d_model, n_layers=n_layers, seq_len=tokens, batch_size=1)
     batches = work.mlp_batches(dist.get_rank(), steps)

@@ -1,18 +1,23 @@
 """Memory Virtualization with Adaptive Sparsity (post section 3.2, claims C7 and C15): tensors stored in fp16,
 fp8 or fp4 by importance.
 
-- ``formats``: bf16/fp16, fp8 (e4m3, e5m2), fp4 e2m1 (two per byte) with per-block fp32 scales, round-to-nearest
-  and stochastic rounding; ``pack`` -> ``PackedTensor`` whose ``nbytes`` is its real storage;
-- ``policy``: ``PrecisionPlan`` from explicit rules (the post's CLIP ``precision_policy``) or a memory budget
-  (a knapsack over tensors by sensitivity per byte saved);
-- ``importance``: Hutchinson's Hessian diagonal, the Fisher diagonal, HAWQ sensitivity per tensor and format;
-- ``tensor``: ``MVASWeight``, the managed parameter: a tensor subclass holding the packed payload and block
-  scales, dequantised on every read (any op, autocast, checkpointing, ``torch.compile``);
+By role:
+
+- ``codecs/``: the element arithmetic: the formats (bf16/fp16, fp8 e4m3 and e5m2, fp4 e2m1 two per byte, with
+  per-block fp32 scales), round-to-nearest and stochastic rounding, the counter-based noise;
+- ``_kernels/`` (private): the packed AdamW step and the dequantisation, one Python source compiled by
+  ``torch.compile`` and run eagerly where compiling fails; ``compile_stats()`` reports what they did;
+- ``packed/``: ``pack`` -> ``PackedTensor`` whose ``nbytes`` is its real storage; ``MVASWeight``, the managed
+  parameter: a tensor subclass holding the packed payload and block scales, dequantised on every read (any op,
+  autocast, checkpointing, ``torch.compile``), with its FSDP2 all-gather methods;
+- ``plan/``: importance (Hutchinson's Hessian diagonal, the Fisher diagonal, HAWQ sensitivity), ``PrecisionPlan``
+  from explicit rules (the post's CLIP ``precision_policy``) or a memory budget (a knapsack over tensors by
+  sensitivity per byte saved), and ``MVASSchedule``, which re-plans the formats every K steps;
+- ``interop/``: FSDP2 (``fsdp.fully_shard``), ``torch.distributed.checkpoint`` (``dcp``), dense state dicts and
+  the packed safetensors form (``checkpoint``);
 - ``store``: ``apply(model, plan)`` puts an ``MVASWeight`` in place of every parameter the plan packs;
-- ``checkpoint``: dense state dicts (what ``save_pretrained`` writes) and the packed form for safetensors;
 - ``optim``: ``MVASAdamW``, AdamW writing packed weights (stochastic rounding or a master copy) with block-
-  quantised moments;
-- ``schedule``: ``MVASSchedule`` re-plans the formats every K steps from the running importance.
+  quantised moments.
 
 Usage::
 
@@ -21,7 +26,19 @@ Usage::
     opt = mvas.MVASAdamW(model.parameters(), lr=3e-4)
 """
 
-from macroarch.mvas.checkpoint import (
+from macroarch.mvas._kernels import compile_stats, reset_compile_stats
+from macroarch.mvas.codecs.formats import (
+    ALIASES,
+    FORMATS,
+    ROUNDINGS,
+    SCALE_DTYPE,
+    Format,
+    bytes_per_element,
+    dtype_format,
+    get_format,
+    storage_bytes,
+)
+from macroarch.mvas.interop.checkpoint import (
     PACKED_WEIGHTS_NAME,
     dense_state_dict,
     load_packed,
@@ -29,23 +46,10 @@ from macroarch.mvas.checkpoint import (
     plan_of_packed,
     save_packed,
 )
-from macroarch.mvas.formats import (
-    ALIASES,
-    FORMATS,
-    ROUNDINGS,
-    SCALE_DTYPE,
-    Format,
-    PackedTensor,
-    bytes_per_element,
-    dtype_format,
-    get_format,
-    pack,
-    quantization_error,
-    quantize_dequantize,
-    storage_bytes,
-    unpack,
-)
-from macroarch.mvas.importance import (
+from macroarch.mvas.optim import MVASAdamW
+from macroarch.mvas.packed.packed_tensor import PackedTensor, pack, quantization_error, quantize_dequantize, unpack
+from macroarch.mvas.packed.weight import MVASWeight
+from macroarch.mvas.plan.importance import (
     FisherDiagonal,
     HutchinsonEstimator,
     block_importance,
@@ -54,8 +58,7 @@ from macroarch.mvas.importance import (
     sensitivity,
     tensor_importance,
 )
-from macroarch.mvas.optim import MVASAdamW
-from macroarch.mvas.policy import (
+from macroarch.mvas.plan.policy import (
     DEFAULT_KEEP_PATTERNS,
     MIN_NUMEL,
     PrecisionPlan,
@@ -66,7 +69,7 @@ from macroarch.mvas.policy import (
     plan_from_rules,
     transfer_plan,
 )
-from macroarch.mvas.precision_policy import (
+from macroarch.mvas.plan.precision_policy import (
     CLIP_TOWERS,
     clip_plan,
     clip_rules,
@@ -75,9 +78,8 @@ from macroarch.mvas.precision_policy import (
     read_precision_policy,
     split_rules,
 )
-from macroarch.mvas.schedule import MVASSchedule, PlanChange, expected_rounding_error, importance_plan
+from macroarch.mvas.plan.schedule import MVASSchedule, PlanChange, expected_rounding_error, importance_plan
 from macroarch.mvas.store import MVASStore, apply, is_packed_buffer
-from macroarch.mvas.tensor import MVASWeight
 
 __all__ = [
     "ALIASES",
@@ -132,4 +134,6 @@ __all__ = [
     "split_rules",
     "storage_bytes",
     "unpack",
+    "compile_stats",
+    "reset_compile_stats",
 ]

@@ -2,11 +2,11 @@
 
 The Adam math is ``macroarch.optim.functional.adamw_update_``, the one every optimizer here runs, in fp32 one
 tensor at a time; this optimizer only chooses storage (each stored tensor is a ``PackedTensor``: a format, a
-payload and block scales), and ``macroarch.mvas.kernels.adamw_step`` does the whole step of a tensor in one
+payload and block scales), and ``macroarch.mvas._kernels.adamw_step`` does the whole step of a tensor in one
 fused kernel (decode m, sqrt(v) and the weight, update, encode, write back), compiled by ``torch.compile``
 unless ``compile=False`` or ``MACROARCH_COMPILE=0`` (the eager path, the reference of the tests):
 
-- **Weights.** A parameter managed by an MVAS store (an ``MVASWeight``, ``macroarch.mvas.tensor``) is read
+- **Weights.** A parameter managed by an MVAS store (an ``MVASWeight``, ``macroarch.mvas.packed.weight``) is read
   dequantised from its packed storage and written back in its format (then ``mark_written``): with
   **stochastic rounding** (the default), so an update smaller than the format's spacing still moves the weight
   in expectation (round-to-nearest would drop it: the "lost update" of low-precision training), or, with
@@ -42,30 +42,29 @@ dtype on load, so the packed moments and the master copies are put back as they 
 
 from __future__ import annotations
 
-import array
 import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from macroarch.mvas import compiled, kernels
-from macroarch.mvas.codecs import _is_fake
-from macroarch.mvas.formats import get_format
-from macroarch.mvas.tensor import MVASWeight
+from macroarch._compat.subclass import torch_function_disabled
+from macroarch.mvas import _kernels
+from macroarch.mvas.codecs.formats import get_format, is_fake
+from macroarch.mvas.codecs.noise import stream_key
+from macroarch.mvas.packed.weight import MVASWeight
 from macroarch.optim._state import restore_saved_state
 from macroarch.optim.functional import adamw_scalars, all_finite, check_hyperparameters, local, owned_params
 
 STEP_CHUNK_NUMEL = 1 << 20
-"""Elements one step kernel call updates at most. Inductor's step keeps a few float32 temporaries of the chunk's size
-between its loops (the new moments and weight, before their block scales are known): at 2^20 elements (4 MB each)
-they stay in the caches, at 2^22 (the decoding chunk, ``formats.CHUNK_NUMEL``) they do not (measured, one core,
-16M elements, medians of 7: fp4 weights 7.9-10.9 -> 6.6-7.0 ns per element, fp8 5.5-6.3 -> 5.5; no change on two
-cores). A call costs about 25 us of Python, under 1% of a chunk's kernel."""
+"""Elements one step kernel call updates at most. The compiled step keeps a few float32 temporaries of the chunk's
+size between its loops (the new moments and weight, before their block scales are known): chunks of 2^20 elements
+(4 MB each) keep them in the caches, larger ones do not; a call's fixed Python cost stays small beside a chunk."""
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
 
 
-def _min_subnormal(fmt_name: str) -> float:
+def min_subnormal(fmt_name: str) -> float:
+    """The smallest positive value of a scaled format at scale 1 (its smallest subnormal)."""
     fmt = get_format(fmt_name)
     bias = 2 ** (fmt.exponent_bits - 1) - 1
     return 2.0 ** (1 - bias - fmt.mantissa_bits)
@@ -85,7 +84,7 @@ class MVASAdamW(torch.optim.Optimizer):
         seed: seed of the stochastic-rounding generator (default: drawn from torch's global generator).
     """
 
-    supports_mvas_weights = True  # it writes managed weights through their storage API (macroarch.mvas.tensor)
+    supports_mvas_weights = True  # it writes managed weights through their storage API (macroarch.mvas.packed.weight)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, state_format: str = "fp8_e4m3",
@@ -108,10 +107,8 @@ class MVASAdamW(torch.optim.Optimizer):
         self.rounding = rounding
         self.min_state_numel = min_state_numel
         self.seed = int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
-        self.compile = compile  # None: MACROARCH_COMPILE decides (macroarch.mvas.kernels)
+        self.compile = compile  # None: MACROARCH_COMPILE decides (macroarch.mvas._kernels)
         self._plans: dict[torch.Tensor, tuple] = {}  # parameter -> (storage token, spec, chunks): ``_plan``
-        # parameter -> (its chunks, their kernels.prepared_step calls) once a step ran them compiled (``_step_tensor``)
-        self._prepared: dict[torch.Tensor, tuple | None] = {}
         self.skipped_nonfinite = 0  # steps skipped for an inf/NaN gradient or loss
         self.step_was_skipped = False  # whether the last step() skipped (LR schedulers may hold back)
 
@@ -130,7 +127,7 @@ class MVASAdamW(torch.optim.Optimizer):
         yet, without stepping: step 0 and zero moments (packed or dense as the first step would make them, shaped
         after a DTensor's local shard), and the fp32 master copy of a managed weight with ``master_weights``,
         decoded from the weight now. State already there is kept. For loaders that fill existing tensors
-        (``torch.distributed.checkpoint``, ``macroarch.mvas.dcp``)."""
+        (``torch.distributed.checkpoint``, ``macroarch.mvas.interop.dcp``)."""
         params = owned_params(self, params)
         for p in params:
             if not self.state.get(p):
@@ -165,7 +162,7 @@ class MVASAdamW(torch.optim.Optimizer):
             unit = math.lcm(unit, p.write_unit)
         return max(unit, STEP_CHUNK_NUMEL // unit * unit)
 
-    def _spec(self, p: torch.Tensor, state: dict) -> kernels.StepSpec:
+    def _spec(self, p: torch.Tensor, state: dict) -> _kernels.StepSpec:
         """How ``p`` (a local tensor) and its moments are stored: the static part of its kernel."""
         packed_state = self._packed_state(state)
         state_fmt = get_format(self.state_format) if packed_state else get_format("fp32")
@@ -175,9 +172,9 @@ class MVASAdamW(torch.optim.Optimizer):
             weight_format, weight_block = weight_fmt.name, p.block_size if weight_fmt.block_scaled else None
         else:
             weight_format, weight_block = "dense", None
-        return kernels.StepSpec(weight_format, weight_block, self.rounding == "stochastic" and "master" not in state,
+        return _kernels.StepSpec(weight_format, weight_block, self.rounding == "stochastic" and "master" not in state,
                                 "master" in state, state_fmt.name, state_block,
-                                _min_subnormal(state_fmt.name) if state_block is not None else 0.0)
+                                min_subnormal(state_fmt.name) if state_block is not None else 0.0)
 
     @torch.compiler.disable  # traced by the user's torch.compile it fails (views of packed state); runs as it is
     @torch.no_grad()
@@ -187,16 +184,15 @@ class MVASAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        # MVASWeight's torch function override has nothing to do for p.grad, numel() and version bumps, and costs
-        # ~1.5 us of Python each (six per managed tensor and step): off for the bookkeeping, not for dispatch
-        with torch._C.DisableTorchFunctionSubclass():
+        # MVASWeight's torch function override has nothing to do for p.grad, numel() and version bumps, each a
+        # Python call: off for the bookkeeping, not for dispatch
+        with torch_function_disabled():
             checked = [p.grad for p in params] + [None if loss is None else torch.as_tensor(loss).detach()]
             self.step_was_skipped = not all_finite(checked, over=params)  # on every rank of DTensor parameters alike
             if self.step_was_skipped:
                 self.skipped_nonfinite += 1
                 return loss
             index = -1
-            prepared = kernels.compile_enabled(self.compile) and compiled._unwatched()  # for the whole step
             for group in self.param_groups:
                 lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
                 for p in group["params"]:
@@ -205,72 +201,33 @@ class MVASAdamW(torch.optim.Optimizer):
                         continue
                     if p.grad.is_sparse:
                         raise RuntimeError("MVASAdamW does not support sparse gradients")
-                    if not (prepared and self._step_prepared(p, index, lr, beta1, beta2, eps, wd)):
-                        self._step_tensor(p, index, lr, beta1, beta2, eps, wd)
+                    self._step_tensor(p, index, lr, beta1, beta2, eps, wd)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad`` without ``MVASWeight``'s torch function on each ``.grad`` read and write
-        (~1.6 us of Python each: 56 -> 9 us for the 39 tensors of ``benchmarks/mvas.py``'s model, one core)."""
-        with torch._C.DisableTorchFunctionSubclass():
+        (a Python call each)."""
+        with torch_function_disabled():
             super().zero_grad(set_to_none)
-
-    def _step_prepared(self, p: torch.Tensor, index: int, lr: float, beta1: float, beta2: float, eps: float,
-                       wd: float) -> bool:
-        """``_step_tensor``'s step of ``p`` (a parameter that is no DTensor) straight into the compiled kernel calls
-        its last step prepared (``kernels.prepared_step``), where nothing they depend on changed: the storage
-        (``_token``), the gradient's dtype and layout, the kernels' verdicts. False (nothing done) elsewhere. The same
-        bits as the planned path; a fifth of its Python (which, between a model's matmuls, costs 5-6 times what it
-        does in a tight loop)."""
-        entry = self._prepared.get(p)
-        if entry is None:
-            return False
-        chunks, calls, token, prefix, counter, keys = entry
-        grad, state = p.grad, self.state[p]
-        if (type(grad) is not torch.Tensor or grad.dtype is not calls[0].grad_dtype or not grad.is_contiguous()
-                or prefix[0] != index or _token(p, state) != token or not all(call.current() for call in calls)):
-            return False
-        step = counter.advance(state)
-        scalars = kernels._scalars_tensor(tuple(adamw_scalars(step, lr, beta1, beta2, eps, wd)))
-        key = kernels.stream_key_from(prefix[1], int(step))
-        if len(calls) == 1:
-            keys[0][1][0] = key
-            calls[0](grad.view(calls[0].rows, -1), keys[0][0], scalars)
-        else:
-            flat = grad.view(-1)
-            for (start, stop, *_), call, (noise_counter, view) in zip(chunks, calls, keys):
-                view[0] = key
-                call(flat[start:stop].view(call.rows, -1), noise_counter, scalars)
-        if isinstance(p, MVASWeight):
-            p.mark_written()
-        return True
 
     def _step_tensor(self, p: torch.Tensor, index: int, lr: float, beta1: float, beta2: float, eps: float,
                      wd: float) -> None:
         """One parameter's update, a chunk of about ``STEP_CHUNK_NUMEL`` elements per kernel call: the float32
-        temporaries of the update stay bounded instead of growing with the tensor. Where every chunk ran through a
-        verified direct call, the calls are kept for ``_step_prepared``."""
+        temporaries of the update stay bounded instead of growing with the tensor."""
         weight, grad = local(p), local(p.grad).reshape(-1)
         state = self.state[p] if self.state[p] else self._init_state(p, weight)
         state["step"] += 1
         step = float(state["step"])
         scalars = adamw_scalars(step, lr, beta1, beta2, eps, wd)
         spec, chunks = self._plan(p, weight, state)
-        key = kernels.stream_key(self.seed, index, weight.numel(), int(step))
+        key = stream_key(self.seed, index, weight.numel(), int(step))
         for start, stop, w, master, exp_avg, exp_avg_sq in chunks:
-            kernels.adamw_step(grad[start:stop], w, master, exp_avg, exp_avg_sq, torch.tensor([key, start]),
+            _kernels.adamw_step(grad[start:stop], w, master, exp_avg, exp_avg_sq, torch.tensor([key, start]),
                                scalars, spec, compile=self.compile)
-        self._prepared[p] = None
-        if weight is p and p in self._plans and self._plans[p][2] is chunks:  # not for fake tensors nor DTensors
-            prepared = [kernels.prepared_step(chunk[2], spec) for chunk in chunks]
-            if all(prepared):
-                prefix = (index, kernels.stream_prefix(self.seed, index, weight.numel()))
-                self._prepared[p] = (chunks, prepared, self._plans[p][0], prefix, _StepCounter(state["step"]),
-                                     [_noise_counter(chunk[0]) for chunk in chunks])
         if isinstance(weight, MVASWeight):
             weight.mark_written()
 
-    def _plan(self, p: torch.Tensor, weight: torch.Tensor, state: dict) -> tuple[kernels.StepSpec, list[tuple]]:
+    def _plan(self, p: torch.Tensor, weight: torch.Tensor, state: dict) -> tuple[_kernels.StepSpec, list[tuple]]:
         """``p``'s storage spec and its chunks ``(start, stop, weight, master, exp_avg, exp_avg_sq)`` (views of the
         stored tensors), kept from step to step while the storage they view is the same (a re-plan that re-packs
         the weight, a loaded state dict and a DTensor's new shard make new ones): building them is most of the
@@ -278,12 +235,12 @@ class MVASAdamW(torch.optim.Optimizer):
         managed = isinstance(weight, MVASWeight)
         stored = weight.payload if managed else weight
         token = None
-        if not _is_fake(stored):  # fake tensors (memory measurements) have no data pointer: planned every step
+        if not is_fake(stored):  # fake tensors (memory measurements) have no data pointer: planned every step
             token = _token(weight, state)
             cached = self._plans.get(p)
             if cached is not None and cached[0] == token:
                 return cached[1], cached[2]
-        spec = kernels.canonical_spec(self._spec(weight, state))
+        spec = _kernels.canonical_spec(self._spec(weight, state))
         master = state["master"].view(-1) if "master" in state else None
         flat = None if managed else weight.view(-1)
         n, chunk = weight.numel(), self._chunk(weight, state)
@@ -333,49 +290,6 @@ def _token(weight: torch.Tensor, state: dict) -> tuple:
     return (stored.data_ptr(), stored.dtype, weight.numel(), weight.format if managed else None,
             weight.block_size if managed else None, state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
             None if master is None else master.data_ptr())
-
-
-class _StepCounter:
-    """Counts a prepared step in ``state["step"]`` without an operator call (torch's ``+= 1`` and ``float()``: 2 us in a
-    tight loop, but 25-30 us between a model's matmuls, where an operator's code is cold: about 1.1 ms of a 145 ms
-    training step for 39 tensors, one core), through a float32 memoryview of the counter tensor's one element. It
-    follows the state's tensor when that is replaced (a loaded state dict, a counter set by hand); a counter it cannot
-    view (another dtype or device, a fake tensor) counts with ``+= 1``. The same count: the float32 value is read back,
-    so from 2^24 on it stays where torch's own add stays; only the tensor's version counter does not move (autograd
-    never sees optimizer state)."""
-
-    __slots__ = ("tensor", "view")
-
-    def __init__(self, step: torch.Tensor) -> None:
-        self._bind(step)
-
-    def _bind(self, step: torch.Tensor) -> None:
-        viewable = (type(step) is torch.Tensor and step.dtype is torch.float32 and step.device.type == "cpu"
-                    and step.numel() == 1 and not step.requires_grad)
-        self.tensor = step
-        self.view = memoryview(step.detach().numpy()).cast("B").cast("f") if viewable else None
-
-    def advance(self, state: dict) -> float:
-        """Add one to ``state["step"]`` and return the new count."""
-        step = state["step"]
-        if step is not self.tensor:
-            self._bind(step)
-        view = self.view
-        if view is None:
-            step += 1  # in place: the state's tensor
-            return float(step)
-        view[0] = view[0] + 1.0
-        return view[0]
-
-
-def _noise_counter(start: int) -> tuple[torch.Tensor, array.array]:
-    """A chunk's noise counter ``[key, start]`` (int64) for the prepared step, kept from step to step, and the array
-    it views (``torch.frombuffer``: a real tensor even under a fake-tensor mode), through which each step writes its
-    stream key without an operator call: a new tensor per call took 0.75 us in a tight loop and several times that
-    between a model's matmuls. The kernels only read it, and each call has read it before it returns (the kernels
-    run on the caller's thread), so the next step's write cannot race a read."""
-    values = array.array("q", (0, start))
-    return torch.frombuffer(values, dtype=torch.int64), values
 
 
 def _slice(payload: torch.Tensor, scales: torch.Tensor | None, fmt: str, block: int | None, start: int,

@@ -2,7 +2,7 @@
 only while an op reads them.
 
 ``store = mvas.apply(model, plan)`` turns every tensor the ``PrecisionPlan`` stores in another format than its
-own dtype into a *managed* parameter: an ``MVASWeight`` (``macroarch.mvas.tensor``), a tensor subclass that
+own dtype into a *managed* parameter: an ``MVASWeight`` (``macroarch.mvas.packed.weight``), a tensor subclass that
 holds the packed payload and its block scales and dequantises on every read. The parameter stays registered
 where it was (tied weights stay tied: one object), so optimizers, LR schedulers, DGR's gradient hooks,
 ``clip_grad_norm_``, ``torch.compile`` and activation checkpointing see an ordinary parameter whose ``.grad`` is
@@ -24,7 +24,7 @@ that every tensor has the model's shape (a checkpoint of another model size is r
 packed tensors have this store's formats (``store.replan(store.plan_from_state_dict(sd))`` adopts a checkpoint's
 plan), and that values are usable (finite dense weights, finite non-negative scales); a failed check raises
 naming each tensor and loads nothing. Dense checkpoints for ``save_pretrained`` / safetensors:
-``macroarch.mvas.checkpoint``.
+``macroarch.mvas.interop.checkpoint``.
 
 Limitations: apply after moving the model to its device (``model.to(dtype)`` afterwards changes the compute
 dtype and keeps the storage); writing into a managed parameter with anything but ``copy_`` raises.
@@ -38,9 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch.mvas.formats import FORMATS, PackedTensor, dtype_format, get_format, pack
-from macroarch.mvas.policy import PrecisionPlan, TensorPlan
-from macroarch.mvas.tensor import MVASWeight
+from macroarch.mvas.codecs.formats import FORMATS, dtype_format, get_format, is_fake
+from macroarch.mvas.packed.packed_tensor import PackedTensor, pack
+from macroarch.mvas.plan.policy import PrecisionPlan, TensorPlan
+from macroarch.mvas.packed.weight import MVASWeight
 
 PAYLOAD_SUFFIX = "__mvas_payload"
 SCALES_SUFFIX = "__mvas_scales"
@@ -201,7 +202,7 @@ class MVASStore:
             if isinstance(value, MVASWeight):
                 fmt, block = value.format, value.block_size
             elif key + PAYLOAD_SUFFIX in state_dict:
-                fmt, block = _format_of(state_dict[key + PAYLOAD_SUFFIX], state_dict.get(key + SCALES_SUFFIX),
+                fmt, block = format_of(state_dict[key + PAYLOAD_SUFFIX], state_dict.get(key + SCALES_SUFFIX),
                                         t.numel)
             else:
                 raise ValueError(f"the checkpoint holds no packed tensor {key!r}")
@@ -232,7 +233,7 @@ class MVASStore:
                     formats.append(f"{entry.name}: checkpoint {_describe(value.format, value.block_size)}, model "
                                    f"{_describe(entry.plan.format, entry.plan.block_size)}")
             elif torch.is_tensor(value) and get_format(entry.plan.format).block_scaled and (
-                    value.is_floating_point() and not _is_fake(value) and not torch.isfinite(value).all()):
+                    value.is_floating_point() and not is_fake(value) and not torch.isfinite(value).all()):
                 values.append(f"{entry.name}: the dense value has inf or NaN elements")
         if formats:
             raise ValueError(
@@ -266,7 +267,7 @@ def _unflatten_packed(state_dict: dict[str, Any], keys: list[str], entry: _Entry
         return
     payload = state_dict.pop(source + PAYLOAD_SUFFIX)
     scales = state_dict.pop(source + SCALES_SUFFIX, None)
-    fmt, block = _format_of(payload, scales, entry.param.numel())
+    fmt, block = format_of(payload, scales, entry.param.numel())
     packed = PackedTensor(fmt, tuple(entry.param.shape), entry.param.dtype,
                           block if get_format(fmt).block_scaled else None, payload, scales)
     try:
@@ -284,11 +285,7 @@ def _own_format(p: torch.Tensor) -> str | None:
         return None
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or type(t).__name__ == "FakeTensor"
-
-
-def _format_of(payload: torch.Tensor, scales: torch.Tensor | None, numel: int) -> tuple[str, int | None]:
+def format_of(payload: torch.Tensor, scales: torch.Tensor | None, numel: int) -> tuple[str, int | None]:
     """The (format, block size) a flat packed payload was stored in, from its dtype and the number of scales
     (one scale: one block covering the tensor, i.e. ``None``)."""
     for fmt in FORMATS.values():

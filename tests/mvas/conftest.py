@@ -2,7 +2,7 @@
 
 import pytest
 
-from macroarch.mvas.tensor import MVASWeight
+from macroarch.mvas.packed.weight import MVASWeight
 
 
 @pytest.fixture

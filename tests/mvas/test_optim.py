@@ -11,7 +11,7 @@ from macroarch.dgr import DGRWrapper
 from macroarch.mvas import plan_from_rules, quantize_dequantize
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.mvas.store import apply
-from macroarch.mvas.tensor import MVASWeight
+from macroarch.mvas.packed.weight import MVASWeight
 
 KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
@@ -258,70 +258,6 @@ def test_large_tensors_are_updated_in_chunks_with_the_same_result(monkeypatch):
     for a, b in zip(params, chunked):
         for key in ("exp_avg", "exp_avg_sq", "exp_avg_scales"):
             assert torch.equal(opt.state[a][key].view(torch.uint8), chunked_opt.state[b][key].view(torch.uint8))
-
-
-@pytest.mark.slow
-def test_prepared_compiled_steps_equal_planned_ones_bitwise_and_are_dropped_when_anything_changes(monkeypatch):
-    """After a compiled step, MVASAdamW runs each chunk straight into its verified kernel (kernels.prepared_step):
-    the same bits as the planned adamw_step path, step after step, over several chunks of fp8 and fp4 weights;
-    not used once the kernel is to be checked again, for gradients of another dtype, or after a state load."""
-    from macroarch.mvas import compiled, kernels
-    from macroarch.mvas import optim as mvas_optim
-
-    torch._dynamo.reset()  # compiled afresh in this test, so the direct calls are captured (compiled._Direct)
-    monkeypatch.setattr(compiled, "_VERIFIED", {})
-    monkeypatch.setattr(compiled, "_COMPILED", {})
-    monkeypatch.setattr(mvas_optim, "STEP_CHUNK_NUMEL", 2048)  # three chunks of the 64 x 96 weights
-    planned_calls = []
-    adamw_step = kernels.adamw_step
-    monkeypatch.setattr(kernels, "adamw_step", lambda *a, **k: planned_calls.append(1) or adamw_step(*a, **k))
-
-    def build():
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(96, 64, bias=False), nn.Linear(64, 96, bias=False)).to(torch.bfloat16)
-        apply(net, plan_from_rules(net, [("0.*", "fp8"), ("1.*", "fp4")], block_size=32, min_numel=0))
-        params = list(net.parameters())
-        return params, MVASAdamW(params, compile=True, seed=1, **KW)
-
-    warm, warm_opt = build()  # the first compiled call of each kernel is checked and writes the eager result
-    grads = [[g.bfloat16() for g in step] for step in _grads(warm, 4)]
-    _run(warm_opt, warm, grads[:1])
-    (fast, fast_opt), (slow, slow_opt) = build(), build()
-
-    def step_both(step: list) -> bool:
-        planned_calls.clear()
-        _run(fast_opt, fast, [step])
-        prepared = not planned_calls
-        slow_opt._prepared.clear()  # the twin plans every step
-        _run(slow_opt, slow, [step])
-        for a, b in zip(fast, slow):
-            assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
-            assert fast_opt.state[a]["step"].item() == slow_opt.state[b]["step"].item()
-            for key in ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales"):
-                assert torch.equal(fast_opt.state[a][key].view(torch.uint8), slow_opt.state[b][key].view(torch.uint8))
-        return prepared
-
-    for k, step in enumerate(grads):
-        assert step_both(step) == (k > 0)  # planned on the first step only: prepared after
-    assert [fast_opt.state[p]["step"].item() for p in fast] == [4.0, 4.0]  # counted in the state's own tensors
-    for params, opt in ((fast, fast_opt), (slow, slow_opt)):  # counters set by hand: a new tensor, and in place
-        opt.state[params[0]]["step"] = torch.tensor(10.0)
-        opt.state[params[1]]["step"].fill_(2.0**24)  # where a float32 count stops: 2^24 + 1 rounds back to 2^24
-    assert step_both(grads[1])  # still prepared, counting on from the counters set (the noise streams follow them)
-    assert [fast_opt.state[p]["step"].item() for p in fast] == [11.0, 2.0**24]
-    planned_calls.clear()
-    monkeypatch.setattr(compiled, "_VERIFIED", {})  # the kernels are to be checked again: the kept calls are not
-    _run(fast_opt, fast, [grads[0]])  # current, so the step plans (and checks) again
-    assert len(planned_calls) == 6
-    planned_calls.clear()
-    for p in fast:
-        p.grad_dtype = None  # let fp32 gradients in: another kernel
-    _run(fast_opt, fast, [[g.float() for g in grads[1]]])
-    assert len(planned_calls) == 6
-    fast_opt.load_state_dict(copy.deepcopy(fast_opt.state_dict()))  # new state tensors: new plans
-    planned_calls.clear()
-    _run(fast_opt, fast, [grads[2]])
-    assert len(planned_calls) == 6
 
 
 @pytest.mark.parametrize("dgr", [False, True])

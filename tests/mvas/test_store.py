@@ -14,7 +14,7 @@ from macroarch.measure.memory import measure_step
 from macroarch.mvas import plan_from_rules, storage_bytes
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.mvas.store import apply
-from macroarch.mvas.tensor import MVASWeight
+from macroarch.mvas.packed.weight import MVASWeight
 
 RULES = [("*mlp*", "fp4"), ("*fc*", "fp4"), ("*self_attn*", "fp8"), ("*attn*", "fp8_e5m2"), ("*embed*", "fp16"),
          ("*", "bf16")]

@@ -1,6 +1,6 @@
 """Atomic steps across ranks: under FSDP2 an inf in one rank's gradient shard skips the step on every rank
 (``macroarch.optim.functional.agree``), for ``CompensatedAdamW`` (with and without the norm loss scale, whose norm
-is the whole gradient's) and ``MVASAdamW`` on packed weights (``macroarch.mvas.fsdp.fully_shard``).
+is the whole gradient's) and ``MVASAdamW`` on packed weights (``macroarch.mvas.interop.fsdp.fully_shard``).
 
 2 gloo ranks in one launch (``macroarch.comm.launch``); the functions without ``test_`` run on the ranks and
 return what they saw, the tests assert on it here. Without the agreement, rank 0 (finite shard) would step and
@@ -100,7 +100,7 @@ def _dense_model() -> nn.Module:
 
 def _packed_model() -> nn.Module:
     from macroarch.mvas import apply, plan_from_rules
-    from macroarch.mvas import fsdp as mvas_fsdp
+    from macroarch.mvas.interop import fsdp as mvas_fsdp
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
