@@ -1,11 +1,61 @@
-"""Tiny models of every family the techniques must handle, each with a loss: ``ZOO[name]() -> (model, loss_fn)``,
-where ``loss_fn(model)`` is a scalar. Shared by the DGR and MVAS tests."""
+"""The tests' shared models and batches.
+
+- ``ZOO[name]() -> (model, loss_fn)``: tiny models of every family the techniques must handle, each with a loss
+  (``loss_fn(model)`` is a scalar); shared by the DGR and MVAS tests.
+- :func:`tiny_gpt` and :func:`alphabet_batches`: a 2-layer GPT-2-style decoder and ``(ids, labels)`` batches
+  of a 64-token alphabet (the loss falls within a few steps), for the training-harness tests.
+- :func:`tiny_llama` (optionally MVAS-managed by :data:`MVAS_RULES`) and :func:`even_ids`: the integration tests'
+  2-layer Llama and its token batches.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+GPT_SIZES = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, d_ff=64, dropout=0.0, max_seq_len=16)
+""":func:`tiny_gpt`'s shape: 16 tokens a row, as :func:`alphabet_batches` makes them."""
+
+MVAS_RULES = [("*mlp*", "fp4"), ("*", "fp8")]
+"""The integration tests' MVAS plan: feed-forward weights in fp4, the rest in fp8."""
+
+
+def tiny_gpt(dtype=torch.float32, **sizes):
+    """A GPT-2-style decoder of ``GPT_SIZES`` (``sizes`` override them), seeded 0, built in ``dtype``."""
+    from macroarch.models import get_model_spec
+
+    torch.manual_seed(0)
+    return get_model_spec("gpt3_tiny").scaled(**{**GPT_SIZES, **sizes}).build(dtype=dtype)
+
+
+def alphabet_batches(n, rows=8, seed=0):
+    """``n`` batches ``(ids, labels)`` of ``rows`` x 16 tokens drawn from 64 (labels = ids, a copy): a small
+    alphabet, so that a language model's loss falls quickly."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (rows, 16), generator=g)
+        out.append((ids, ids.clone()))
+    return out
+
+
+def tiny_llama(managed=False):
+    """The 2-layer ``llama_65b_tiny``, seeded 0; ``managed``: stored by MVAS under :data:`MVAS_RULES` (blocks of
+    32, tensors from 1024 elements)."""
+    from macroarch import mvas
+    from macroarch.models import get_model_spec
+
+    torch.manual_seed(0)
+    model = get_model_spec("llama_65b_tiny").scaled(n_layers=2).build()
+    if managed:
+        mvas.apply(model, mvas.plan_from_rules(model, MVAS_RULES, block_size=32, min_numel=1024))
+    return model
+
+
+def even_ids(rows, length=16, seed=0):
+    """``rows`` x ``length`` token ids, the even numbers below 32 (a pattern a tiny model learns in a few steps)."""
+    return torch.randint(0, 16, (rows, length), generator=torch.Generator().manual_seed(seed)) * 2
 
 
 def _sequential(dtype=torch.float32):

@@ -54,6 +54,7 @@ from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data.applications import SHAPES, ensure_dataset, load_dataset
 from macroarch.experiments.loop import TrainLog
+from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.fit import Fit, MeasureCache, extrapolate_peak, fake_module, largest_fitting, measure_training
 from macroarch.measure.memory import STATE_CATEGORIES, StepMemory
 from macroarch.models.layers import find_repeated_layers
@@ -616,10 +617,9 @@ def _train_note(m: Mapping[str, float], name: str) -> str:
             f"speed {m[f'{name}_speed_ratio']:.2f}x")
 
 
-def verdict(claim_id: str, metrics: Mapping[str, float], scale: str) -> Any:
-    """The graded verdict of C12, C13 or C14 from a run's metrics, with the figures that make it."""
-    from macroarch.repro.claims import get_claim
-
+def verdict_texts(claim_id: str, metrics: Mapping[str, float], scale: str) -> dict[str, str]:
+    """``scale``, ``measured_text`` and ``note`` for ``get_claim(claim_id).grade`` of C12, C13 or C14: the figures
+    that make the verdict, read from a run's metrics."""
     m = metrics
     if claim_id == "C12":
         crop = int(m["graded_crop"])
@@ -645,7 +645,7 @@ def verdict(claim_id: str, metrics: Mapping[str, float], scale: str) -> Any:
         raise ValueError(f"claim {claim_id!r} is not one of this notebook's (C12, C13, C14)")
     names = {"C12": ["esmfold_trunk"], "C13": ["pointnet"], "C14": ["timesformer", "videomae"]}[claim_id]
     note = "; ".join(x for x in (note, *(_train_note(m, n) for n in names)) if x)
-    return get_claim(claim_id).grade(m, scale=scale, measured_text=text, note=note)
+    return {"scale": scale, "measured_text": text, "note": note}
 
 
 # ------------------------------------------------------------------------------------------------ plots
@@ -717,55 +717,145 @@ def plot_claim(title: str, *, tables: Sequence[SizeTable] = (), fits: Sequence[F
     return fig
 
 
-# ------------------------------------------------------------------------------------------------ from parameters
+# ------------------------------------------------------------------------------------------------ settings
 
-def _small(p: Mapping[str, Any]) -> dict[str, int]:
-    return {k: p[f"train_{k}"] for k in ("width", "layers", "crop", "points", "frames", "image")}
+@dataclass(frozen=True)
+class ApplicationsSettings(Settings):
+    """Notebook 10's settings: its parameters cell, less ``profile`` (``ApplicationsSettings.from_params``)."""
+
+    threads: int
+    """Torch threads."""
+    compute_dtype: str
+    """The small runs' compute dtype (``auto`` resolved by ``resolve_parameters``)."""
+    train_steps: int
+    """Small runs: steps of each variant."""
+    train_batch: int
+    """Small runs: samples per step."""
+    train_width: int
+    """Small trunk (sequence state; pair state half) and video models: width."""
+    train_layers: int
+    """Small trunk and video models: blocks."""
+    train_crop: int
+    """Small trunk: residues per protein."""
+    train_points: int
+    """Small PointNet: points per cloud (its width stays the published one)."""
+    train_frames: int
+    """Small video models: frames per clip."""
+    train_image: int
+    """Small video models: frame size in pixels (patches of 8)."""
+    importance_batches: int
+    """Batches of the Fisher diagonal at initialisation (the MVAS plan)."""
+    eval_batches: int
+    """Held-out batches of the eval loss."""
+    published: bool
+    """The published sizes under fake tensors (false: the small runs' sizes on real tensors)."""
+    budgets_gb: tuple[float, ...]
+    """Memory budgets in GB (1e9 bytes)."""
+    fit_variants: tuple[str, ...]
+    """Variants (of ``VARIANTS``) whose largest batch / clip / crop is searched."""
+    max_size: int
+    """The searches stop at this batch / clip / crop (a fit there is shown capped)."""
+    crops: tuple[int, ...]
+    """C12: residues per crop."""
+    graded_crop: int
+    """C12: the crop the verdict grades (one of ``crops``)."""
+    esm_depths: tuple[int, ...]
+    """C12: trunk blocks measured, bytes extrapolated to the whole trunk (empty: measure it whole)."""
+    check_depth: int
+    """One more depth measured to check the extrapolation."""
+    table_batch: int
+    """C13: PointNet batch whose step is broken down by category."""
+    table_frames: int
+    """C14: frames at which the video steps are broken down by category."""
+    video_depths: tuple[int, ...]
+    """C14: layers measured, extrapolated to the whole model (empty: measure it whole)."""
+    check_budget_mb: float
+    """Budget of the real-tensor check of the search (small PointNet)."""
+    check_variants: tuple[str, ...]
+    """Variants the real-tensor check covers."""
+    seed: int = 0
+    """Data, initial weights, batch order, MVASAdamW's stochastic rounding."""
+    group_size: int = 1
+    """DGR: blocks per group, sync mode."""
+    weight_bytes: float = 0.9
+    """MVAS budget: mean bytes per managed weight element (bf16: 2)."""
+    lr: float = 1e-3
+    """AdamW learning rate of both variants, no weight decay."""
+    video_models: tuple[str, ...] = ("timesformer", "videomae")
+    """C14: the space-time transformers measured."""
+    video_batch: int = 1
+    """C14: clips per step."""
+
+    def __post_init__(self) -> None:
+        self._positive("threads", "train_steps", "train_batch", "train_width", "train_layers", "train_crop",
+                       "train_points", "train_frames", "train_image", "importance_batches", "eval_batches",
+                       "max_size", "graded_crop", "check_depth", "table_batch", "table_frames", "check_budget_mb",
+                       "group_size", "weight_bytes", "lr", "video_batch")
+        self._non_empty("budgets_gb", "fit_variants", "crops", "check_variants")
+        for name in ("fit_variants", "check_variants"):
+            if any(v not in VARIANTS for v in getattr(self, name)):
+                self._fail(name, f"names from {', '.join(VARIANTS)}")
+        for name in ("esm_depths", "video_depths"):
+            depths = getattr(self, name)
+            if depths and (len(depths) < 2 or min(depths) < 2):
+                self._fail(name, "empty, or two or more depths of at least 2 blocks")
+        if self.graded_crop not in self.crops:
+            self._fail("graded_crop", f"one of crops {list(self.crops)}")
+        self._one_of("compute_dtype", COMPUTE_DTYPES)
+        videos = [name for name, app in APPS.items() if app.searched == "frames"]
+        if any(m not in videos for m in self.video_models):
+            self._fail("video_models", f"names from {', '.join(videos)}")
 
 
-def models(params: Mapping[str, Any]) -> list[str]:
+# ------------------------------------------------------------------------------------------------ from settings
+
+def _small(s: ApplicationsSettings) -> dict[str, int]:
+    return dict(width=s.train_width, layers=s.train_layers, crop=s.train_crop, points=s.train_points,
+                frames=s.train_frames, image=s.train_image)
+
+
+def models(settings: ApplicationsSettings) -> list[str]:
     """The models a run of the notebook covers: the folding trunk, PointNet and ``video_models``."""
-    out = ["esmfold_trunk", "pointnet", *params["video_models"]]
-    for name in out:
-        get_app(name)
-    return out
+    return ["esmfold_trunk", "pointnet", *settings.video_models]
 
 
-def train_all(params: Mapping[str, Any]) -> dict[str, TrainResult]:
+def train_all(settings: ApplicationsSettings) -> dict[str, TrainResult]:
     """``train_compare`` of every model of the run, at the notebook's small sizes."""
-    kw = {k: params[k] for k in ("lr", "compute_dtype", "weight_bytes", "importance_batches", "group_size", "seed")}
-    return {m: train_compare(m, small_dims(m, **_small(params)), steps=params["train_steps"],
-                             batch_size=params["train_batch"], eval_batches=params["eval_batches"], **kw)
-            for m in models(params)}
+    s = settings
+    return {m: train_compare(m, small_dims(m, **_small(s)), steps=s.train_steps, batch_size=s.train_batch,
+                             eval_batches=s.eval_batches, lr=s.lr, compute_dtype=s.compute_dtype,
+                             weight_bytes=s.weight_bytes, importance_batches=s.importance_batches,
+                             group_size=s.group_size, seed=s.seed)
+            for m in models(s)}
 
 
-def measurements(name: str, params: Mapping[str, Any], plan: mvas.PrecisionPlan) -> Measurements:
-    """The fake-tensor measurements of ``name`` as the notebook's parameters set them up: published sizes (or,
+def measurements(name: str, settings: ApplicationsSettings, plan: mvas.PrecisionPlan) -> Measurements:
+    """The fake-tensor measurements of ``name`` as the notebook's settings set them up: published sizes (or,
     with ``published`` false, the small run's sizes), depths to extrapolate from, DGR group size, clips per step."""
-    app = get_app(name)
+    s, app = settings, get_app(name)
     base = None
-    if not params["published"]:
-        base = dict(small_dims(name, **_small(params)), batch=1)
-    depths = {"crop": params["esm_depths"], "frames": params["video_depths"]}.get(app.searched)
-    return Measurements(name, plan=plan, group_size=params["group_size"], depths=depths or None,
-                        video_batch=params["video_batch"], base=base, fake=params["published"],
-                        max_size=params["max_size"])
+    if not s.published:
+        base = dict(small_dims(name, **_small(s)), batch=1)
+    depths = {"crop": s.esm_depths, "frames": s.video_depths}.get(app.searched)
+    return Measurements(name, plan=plan, group_size=s.group_size, depths=depths or None, video_batch=s.video_batch,
+                        base=base, fake=s.published, max_size=s.max_size)
 
 
-def scale(meas: Measurements, train: TrainResult, params: Mapping[str, Any]) -> str:
+def scale(meas: Measurements, train: TrainResult, settings: ApplicationsSettings) -> str:
     """The verdict's scale: the measured model, how it was measured, and the small run with its hardware."""
     from macroarch.experiments.hardware import describe, machine_info
 
-    depth = (f", extrapolated from {meas.depths} blocks (checked at {params['check_depth']})" if meas.depths else "")
+    s = settings
+    depth = f", extrapolated from {meas.depths} blocks (checked at {s.check_depth})" if meas.depths else ""
     size = {"crop": "one protein per step", "batch": f"{meas.base.get('points')} points per cloud",
             "frames": f"{meas.video_batch} clip(s) of {meas.base.get('image')} px per step"}[meas.app.searched]
-    return (f"{meas.app.title if params['published'] else meas.name + ' at toy size'}, {meas.n_params / 1e6:.1f}M "
+    return (f"{meas.app.title if s.published else meas.name + ' at toy size'}, {meas.n_params / 1e6:.1f}M "
             f"params, {size}, bf16, DGR groups of {meas.group_size}: fake tensors (CPU kernels){depth}; small run "
             f"{train.n_params / 1e6:.2f}M params, {len(train.logs['baseline'].losses)} steps, "
-            f"{describe(machine_info(), params['compute_dtype'])}")
+            f"{describe(machine_info(), s.compute_dtype)}")
 
 
-def check(params: Mapping[str, Any], plan: mvas.PrecisionPlan) -> BoundaryCheck:
+def check(settings: ApplicationsSettings, plan: mvas.PrecisionPlan) -> BoundaryCheck:
     """``boundary_check`` of ``check_variants`` at the notebook's budget and points (the small PointNet's plan)."""
-    return boundary_check(params["check_budget_mb"], params["train_points"], params["check_variants"], plan=plan,
-                          group_size=params["group_size"])
+    s = settings
+    return boundary_check(s.check_budget_mb, s.train_points, s.check_variants, plan=plan, group_size=s.group_size)

@@ -50,8 +50,9 @@ from macroarch.config import ConfigError, MacroConfig, load_yaml
 from macroarch.data.shapes import ShapesData, ensure_shapes, load_shapes, shuffled_batches
 from macroarch.experiments.hardware import describe, machine_info, torch_dtype
 from macroarch.experiments.loop import TrainLog, train_round_robin
+from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.memory import CATEGORIES, StepMemory, measure_step
-from macroarch.measure.memory.measured import _create_state
+from macroarch.measure.memory.measured import create_optimizer_state
 from macroarch.optim import MasterWeightAdamW
 from macroarch.paths import project_root
 
@@ -61,6 +62,65 @@ FULL_SIZE_MODELS = ("ViT-B-32", "ViT-B-16", "ViT-L-14")
 VARIANTS = {"fp32": "AdamW fp32", "bf16_mixed": "AdamW bf16 + fp32 master", "post": "post's config"}
 COLORS = {"parameters": "#4c72b0", "gradients": "#55a868", "optimizer_state": "#c44e52", "master_weights": "#8172b2",
           "activations": "#ccb974", "temporaries": "#dd8452", "other": "#999999"}
+
+
+@dataclass(frozen=True)
+class ClipSettings(Settings):
+    """Notebook 11's settings: its parameters cell, less ``profile`` (``ClipSettings.from_params(params)``)."""
+
+    memory_models: tuple[str, ...]
+    """open_clip architectures measured at full size (``"small"``: the small CLIP below)."""
+    memory_batches: tuple[int, ...]
+    """Batch sizes swept; the search for ``target_gb`` starts from them."""
+    target_gb: float
+    """Baseline memory at which the post's config is compared (the post: 48)."""
+    n_train: int
+    """Rendered training scenes (val and held-out: 512 each)."""
+    width: int
+    """Width of both towers."""
+    vision_layers: int
+    """ViT blocks (the first half fp8)."""
+    text_layers: int
+    """Text transformer blocks."""
+    batch_size: int
+    """Image-caption pairs per step (and per contrastive softmax)."""
+    steps: int
+    """Training steps per variant and seed."""
+    warmup_steps: int
+    """Linear LR warmup, then cosine to 0 (from the config's LR)."""
+    eval_every: int
+    """Held-out recall@1 every this many steps."""
+    seeds: int
+    """Initialisations and batch orders (a paired comparison per seed)."""
+    compute_dtype: str
+    """float32 | bfloat16 (``auto`` resolved by ``resolve_parameters``); the baseline follows it."""
+    device: str
+    """Where the small CLIP trains."""
+    threads: int
+    """Torch intra-op threads."""
+    config_file: str = "configs/clip_post.yaml"
+    """The post's block, applied unchanged (relative to the project root)."""
+    memory_baselines: tuple[str, ...] = ("bf16_mixed", "fp32")
+    """Baselines of the memory sweep: the first is graded."""
+    memory_device: str = "cpu"
+    """Kernels of the fake-tensor step ("cuda" needs a real GPU even for fake tensors)."""
+    image_size: int = 32
+    """Pixels per side."""
+    patch_size: int = 8
+    """ViT patch side; must divide ``image_size``."""
+
+    def __post_init__(self) -> None:
+        self._positive("target_gb", "n_train", "width", "vision_layers", "text_layers", "batch_size", "steps",
+                       "eval_every", "seeds", "threads", "image_size", "patch_size")
+        self._non_negative("warmup_steps")
+        self._non_empty("memory_models", "memory_batches", "memory_baselines")
+        self._one_of("compute_dtype", COMPUTE_DTYPES)
+        self._device()
+        self._device("memory_device")
+        if any(b not in ("bf16_mixed", "fp32") for b in self.memory_baselines):
+            self._fail("memory_baselines", "a list of 'bf16_mixed' and 'fp32'")
+        if self.image_size % self.patch_size:
+            self._fail("patch_size", f"a divisor of image_size {self.image_size}")
 
 
 def post_config_path() -> Path:
@@ -244,16 +304,16 @@ class StepMeter:
 
     def __init__(self, cfg: Mapping[str, Any], variant: str, config: MacroConfig, *, fake: bool,
                  compute_dtype: str = "bfloat16", device: str = "cpu", seed: int = 0) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from macroarch._compat.fake import fake_tensor_mode
 
         self.cfg, self.variant, self.device = cfg, variant, device
         self.dtype = variant_dtype(variant, compute_dtype)
-        self.mode = FakeTensorMode() if fake else contextlib.nullcontext()
+        self.mode = fake_tensor_mode() if fake else contextlib.nullcontext()
         with self.mode:
             torch.manual_seed(seed)
             self.model = build_clip(cfg, self.dtype, device)
             self.stack = make_stack(self.model, variant, config, self.inputs(2), seed=seed, compute_dtype=self.dtype)
-            _create_state(self.stack.optimizer, [p for p in self.model.parameters() if p.requires_grad])
+            create_optimizer_state(self.stack.optimizer, [p for p in self.model.parameters() if p.requires_grad])
 
     def inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         size, text = self.cfg["vision_cfg"]["image_size"], self.cfg["text_cfg"]
@@ -554,18 +614,18 @@ class SmallTraining:
 
 
 def _train_seed(result: SmallTraining, data: ShapesData, cfg: Mapping[str, Any], config: MacroConfig, seed: int,
-                p: Mapping[str, Any], run: Any) -> None:
-    dtype, base, device, steps = torch_dtype(p["compute_dtype"]), result.baseline, p["device"], p["steps"]
+                p: ClipSettings, run: Any) -> None:
+    dtype, base, device, steps = torch_dtype(p.compute_dtype), result.baseline, p.device, p.steps
     train, heldout = data.split("train"), data.split("heldout")
     torch.manual_seed(seed)
     initial = build_clip(cfg, dtype, device)
     result.n_params = sum(x.numel() for x in initial.parameters())
-    order = shuffled_batches(len(train), p["batch_size"], steps, seed)
+    order = shuffled_batches(len(train), p.batch_size, steps, seed)
     batches = [(train.images[i], train.tokens[i], dtype, device) for i in order]
     first = (_pixels(batches[0][0], dtype, device), batches[0][1].to(device))
     stacks = {v: make_stack(copy.deepcopy(initial), v, config, first, seed=seed, compute_dtype=dtype)
               for v in (base, "post")}
-    schedules = {v: _schedule(s.optimizer, p["warmup_steps"], steps) for v, s in stacks.items()}
+    schedules = {v: _schedule(s.optimizer, p.warmup_steps, steps) for v, s in stacks.items()}
 
     def after(variant: str) -> Callable[[int, float], None]:
         key = "baseline" if variant == base else "post"
@@ -574,8 +634,8 @@ def _train_seed(result: SmallTraining, data: ShapesData, cfg: Mapping[str, Any],
             schedules[variant].step()
             stacks[variant].after_step()
             logged = {f"seed{seed}_{key}_loss": loss}
-            if (i + 1) % p["eval_every"] == 0 or i + 1 == steps:
-                r = retrieval(stacks[variant].module, heldout, batch_size=p["batch_size"], dtype=dtype, device=device)
+            if (i + 1) % p.eval_every == 0 or i + 1 == steps:
+                r = retrieval(stacks[variant].module, heldout, batch_size=p.batch_size, dtype=dtype, device=device)
                 result.curves.setdefault((seed, variant), []).append((i + 1, (r["i2t_r1"] + r["t2i_r1"]) / 2))
                 logged[f"seed{seed}_{key}_heldout_recall1"] = result.curves[seed, variant][-1][1]
             if run is not None:
@@ -587,21 +647,21 @@ def _train_seed(result: SmallTraining, data: ShapesData, cfg: Mapping[str, Any],
                              after_step={v: after(v) for v in stacks}, mininterval=10,
                              desc=f"seed {seed}: {VARIANTS[base]} and the post's config, in turn")
     for v, s in stacks.items():
-        r = retrieval(s.module, heldout, batch_size=p["batch_size"], dtype=dtype, device=device)
-        r |= {f"val_{k}": x for k, x in retrieval(s.module, data.split("val"), batch_size=p["batch_size"],
+        r = retrieval(s.module, heldout, batch_size=p.batch_size, dtype=dtype, device=device)
+        r |= {f"val_{k}": x for k, x in retrieval(s.module, data.split("val"), batch_size=p.batch_size,
                                                   dtype=dtype, device=device).items()}
         result.final[seed, v], result.logs[seed, v] = r, logs[v]
 
 
-def train_small(data: ShapesData, cfg: Mapping[str, Any], config: MacroConfig, params: Mapping[str, Any],
+def train_small(data: ShapesData, cfg: Mapping[str, Any], config: MacroConfig, settings: ClipSettings,
                 run: Any = None) -> SmallTraining:
-    """For each of ``params["seeds"]`` seeds: one initial model (in ``compute_dtype``), the baseline and the post's
+    """For each of ``settings.seeds`` seeds: one initial model (in ``compute_dtype``), the baseline and the post's
     config from copies of it, trained in lock step on the same ``steps`` batches of ``batch_size`` (linear warmup
     over ``warmup_steps``, then cosine, from the config's LR), held-out recall@1 every ``eval_every`` steps, and
     at the end recall@1/@5 both ways on held-out and seen combinations. Losses and eval points go to ``run``."""
-    result = SmallTraining(training_baseline(params["compute_dtype"]), 0, params["steps"])
-    for seed in range(params["seeds"]):
-        _train_seed(result, data, cfg, config, seed, params, run)
+    result = SmallTraining(training_baseline(settings.compute_dtype), 0, settings.steps)
+    for seed in range(settings.seeds):
+        _train_seed(result, data, cfg, config, seed, settings, run)
     return result
 
 
@@ -674,9 +734,9 @@ def _short(model: str) -> str:
     return model.replace("ViT-", "ViT-").replace("-32", "/32").replace("-16", "/16").replace("-14", "/14")
 
 
-def c15_texts(sweep: MemorySweep, training: SmallTraining, params: Mapping[str, Any]) -> dict[str, str]:
+def c15_texts(sweep: MemorySweep, training: SmallTraining, settings: ClipSettings) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C15").grade``."""
-    p, m, t = params, sweep.metrics(), training.metrics()
+    p, m, t = settings, sweep.metrics(), training.metrics()
     graded, tgb = sweep.baselines[0], sweep.target_bytes / GB
 
     def at_target(base: str) -> str:
@@ -689,14 +749,14 @@ def c15_texts(sweep: MemorySweep, training: SmallTraining, params: Mapping[str, 
     measured = (f"{VARIANTS[graded]} at {tgb:g} GB: {at_target(graded)}; held-out recall@1 {t['baseline_recall1']:.1%}"
                 f" -> {t['post_recall1']:.1%} (gap {t['retrieval_gap'] * 100:+.1f} points, 90% seed interval "
                 f"{t['retrieval_gap_lo'] * 100:+.1f} to {t['retrieval_gap_hi'] * 100:+.1f}, {t['seeds']} seeds)")
-    vision = p["vision_layers"], p["width"], p["patch_size"]
+    vision = p.vision_layers, p.width, p.patch_size
     scale = (f"memory: open_clip {', '.join(f'{_short(x)} ({sweep.n_params[x] / 1e6:.0f}M)' for x in sweep.models)} "
              f"at full size under fake tensors (CPU kernels), one contrastive step, batch swept and searched to "
              f"{tgb:g} GB; quality: CLIP of {training.n_params / 1e6:.2f}M params (ViT {vision[0]}x{vision[1]}, "
-             f"patch {vision[2]} on {p['image_size']} px; text {p['text_layers']}x{p['width']}), {p['steps']} steps "
-             f"x {p['batch_size']} rendered-shape captions, {t['seeds']} seeds, baseline "
+             f"patch {vision[2]} on {p.image_size} px; text {p.text_layers}x{p.width}), {p.steps} steps "
+             f"x {p.batch_size} rendered-shape captions, {t['seeds']} seeds, baseline "
              f"{VARIANTS[training.baseline]}; "
-             f"{describe(machine_info(p['device']), p['compute_dtype'])}")
+             f"{describe(machine_info(p.device), p.compute_dtype)}")
     peak_share = np.mean([sweep.points[x, graded, sweep.at_target[x, graded]].by_category["activations"]
                           / sweep.peak(x, graded, sweep.at_target[x, graded]) for x in sweep.models])
     note = (f"baseline {VARIANTS[graded]}: bf16 weights, grads and activations, fp32 master and Adam moments; the "

@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 
 from macroarch.comm import MiB
 from macroarch.experiments.hardware import describe, machine_info
+from macroarch.experiments.settings import Settings
 from macroarch.measure.comm_bench import all_reduce_times, bucket_summary, compare_bucketing, dead_rank
 from macroarch.measure.workload import Workload
 
@@ -44,11 +45,65 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def workload(params: Mapping[str, Any]) -> Workload:
+@dataclass(frozen=True)
+class BucketingSettings(Settings):
+    """Notebook 07's settings: its parameters cell, less ``profile`` (``BucketingSettings.from_params(params)``)."""
+
+    d_model: int
+    """GPT-2-style decoder width."""
+    n_layers: int
+    """Decoder layers."""
+    n_heads: int
+    """Attention heads; must divide ``d_model``."""
+    seq_len: int
+    """Tokens per row."""
+    bucket_sizes_mb: tuple[float, ...]
+    """Bucketer sizes, MiB; those that are not multiples of 8 are the contrast. Must include 8 (the graded one)."""
+    windows_ms: tuple[float, ...]
+    """Window lengths, ms: the post's 200 ms, and one of several micro-steps here."""
+    alignment_sizes_mb: tuple[float, ...]
+    """One all-reduce each: buffers on and off the 8 MiB grid."""
+    alignment_repeats: int
+    """All-reduces per size (the fastest counts)."""
+    steps: int
+    """Timed micro-steps per set-up and round (windows: until a window closes)."""
+    rounds: int
+    """Set-ups take turns this many times, so that load from elsewhere hits them alike."""
+    collective_timeout_s: float
+    """The bucketer's timeout per collective, seconds."""
+    pg_timeout_s: float
+    """The process group's timeout, seconds: all a blocking all-reduce has."""
+    threads: int
+    """Torch threads per rank."""
+    seed: int = 0
+    """Initial weights (the same on every rank) and each rank's batches."""
+    batch_size: int = 2
+    """Rows per rank and micro-step."""
+    warmup: int = 1
+    """Untimed micro-steps per set-up and round."""
+    world_size: int = 2
+    """Gloo ranks on loopback."""
+
+    def __post_init__(self) -> None:
+        self._positive("d_model", "n_layers", "n_heads", "seq_len", "alignment_repeats", "steps", "rounds",
+                       "collective_timeout_s", "pg_timeout_s", "threads", "batch_size")
+        self._non_negative("warmup")
+        self._non_empty("bucket_sizes_mb", "windows_ms", "alignment_sizes_mb")
+        if self.d_model % self.n_heads:
+            self._fail("n_heads", f"a divisor of d_model {self.d_model}")
+        if BUCKET not in self.bucket_sizes_mb:
+            self._fail("bucket_sizes_mb", f"a list holding {BUCKET} (the graded bucket size)")
+        if any(not x > 0 for x in (*self.bucket_sizes_mb, *self.windows_ms, *self.alignment_sizes_mb)):
+            self._fail("bucket_sizes_mb", "positive sizes (as windows_ms and alignment_sizes_mb)")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 2:
+            self._fail("world_size", "an int >= 2 (a collective needs two ranks)")
+
+
+def workload(settings: BucketingSettings) -> Workload:
     """The decoder and micro-batch every rank trains (threads of this process set to ``threads``)."""
-    torch.set_num_threads(params["threads"])
-    return Workload(d_model=params["d_model"], n_layers=params["n_layers"], n_heads=params["n_heads"],
-                    seq_len=params["seq_len"], batch_size=params["batch_size"], seed=params["seed"])
+    torch.set_num_threads(settings.threads)
+    return Workload(d_model=settings.d_model, n_layers=settings.n_layers, n_heads=settings.n_heads,
+                    seq_len=settings.seq_len, batch_size=settings.batch_size, seed=settings.seed)
 
 
 def describe_workload(work: Workload, world_size: int) -> str:
@@ -125,18 +180,18 @@ def setups(bucket_sizes_mb: Sequence[float], windows_ms: Sequence[float]) -> lis
             + [{"kind": "bucketer", "bucket_mb": BUCKET, "window_ms": w} for w in windows_ms])
 
 
-def bucketing(work: Workload, params: Mapping[str, Any], run: Any = None) -> Bucketing:
+def bucketing(work: Workload, settings: BucketingSettings, run: Any = None) -> Bucketing:
     """Every set-up from the same weights on the same batches, in turns for ``rounds`` rounds; step time is the
     slower rank's mean micro-step, median over rounds. Per set-up numbers logged to ``run``."""
-    p = params
-    rows = compare_bucketing(work, setups(p["bucket_sizes_mb"], p["windows_ms"]), steps=p["steps"],
-                             warmup=p["warmup"], rounds=p["rounds"], world_size=p["world_size"], threads=p["threads"],
-                             collective_timeout=max(p["collective_timeout_s"], 60.0))
+    p = settings
+    rows = compare_bucketing(work, setups(p.bucket_sizes_mb, p.windows_ms), steps=p.steps,
+                             warmup=p.warmup, rounds=p.rounds, world_size=p.world_size, threads=p.threads,
+                             collective_timeout=max(p.collective_timeout_s, 60.0))
     if run is not None:
         for i, r in enumerate(rows):
             run.log(step=i, step_ms=r["step_s"] * 1e3, collectives_per_step=r["collectives_per_step"],
                     max_grad_error=r["max_grad_error"])
-    return Bucketing(rows, list(p["bucket_sizes_mb"]), sum(t.numel() for t in work.model().parameters()))
+    return Bucketing(rows, list(p.bucket_sizes_mb), sum(t.numel() for t in work.model().parameters()))
 
 
 @dataclass
@@ -162,12 +217,12 @@ class Alignment:
                 + f"\nmultiples of 8 MiB / other sizes: {self.ratio:.3f}x (1.0 = no effect)")
 
 
-def alignment(params: Mapping[str, Any], run: Any = None) -> Alignment:
+def alignment(settings: BucketingSettings, run: Any = None) -> Alignment:
     """One fp32 all-reduce of each ``alignment_sizes_mb`` buffer, the fastest of ``alignment_repeats``."""
-    p = params
-    a = Alignment(list(p["alignment_sizes_mb"]), all_reduce_times(p["alignment_sizes_mb"],
-                                                                  repeats=p["alignment_repeats"],
-                                                                  world_size=p["world_size"], threads=p["threads"]))
+    p = settings
+    a = Alignment(list(p.alignment_sizes_mb), all_reduce_times(p.alignment_sizes_mb,
+                                                                  repeats=p.alignment_repeats,
+                                                                  world_size=p.world_size, threads=p.threads))
     if run is not None:
         for i, (mb, t, g) in enumerate(zip(a.sizes_mb, a.seconds, a.throughput)):
             run.log(step=i, alignment_mb=mb, alignment_ms=t * 1e3, alignment_GBps=g)
@@ -192,12 +247,12 @@ def windows(b: Bucketing, windows_ms: Sequence[float]) -> tuple[dict[str, float]
     return m, "\n".join(lines)
 
 
-def failures(work: Workload, params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def failures(work: Workload, settings: BucketingSettings) -> dict[str, dict[str, Any]]:
     """What rank 0 saw in each of :data:`SCENARIOS` (rank 1 fails after one step)."""
-    p = params
-    return {name: dead_rank(work, after_steps=1, collective_timeout=p["collective_timeout_s"],
-                            pg_timeout=p["pg_timeout_s"], threads=p["threads"],
-                            timeout=p["pg_timeout_s"] + p["collective_timeout_s"] + 120, **kw)
+    p = settings
+    return {name: dead_rank(work, after_steps=1, collective_timeout=p.collective_timeout_s,
+                            pg_timeout=p.pg_timeout_s, threads=p.threads,
+                            timeout=p.pg_timeout_s + p.collective_timeout_s + 120, **kw)
             for name, kw in SCENARIOS.items()}
 
 
@@ -215,9 +270,9 @@ def failure_text(failed: Mapping[str, Mapping[str, Any]]) -> str:
         for name, f in failed.items())
 
 
-def plot(b: Bucketing, a: Alignment, failed: Mapping[str, Mapping[str, Any]], params: Mapping[str, Any]) -> Figure:
+def plot(b: Bucketing, a: Alignment, failed: Mapping[str, Mapping[str, Any]], settings: BucketingSettings) -> Figure:
     """Step time by bucket size against DDP; windows; a failed peer; all-reduce throughput on and off the grid."""
-    p = params
+    p = settings
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     axes = axes.ravel()
     ax = axes[3]
@@ -239,24 +294,24 @@ def plot(b: Bucketing, a: Alignment, failed: Mapping[str, Mapping[str, Any]], pa
     ax.axhline(b.step_s("no communication") * 1e3, color="k", ls=":", label="no communication")
     ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
     ax.set(xlabel="bucket size (MiB); x = not a multiple of 8", ylabel="ms per micro-step",
-           title=f"{b.n_params / 1e6:.1f}M params, {p['world_size']} gloo ranks", ylim=(0, None))
+           title=f"{b.n_params / 1e6:.1f}M params, {p.world_size} gloo ranks", ylim=(0, None))
     ax.legend(fontsize=7)
     ax = axes[1]
-    labels = [f"bucketer {BUCKET} MiB"] + [window_label(w) for w in p["windows_ms"]]
+    labels = [f"bucketer {BUCKET} MiB"] + [window_label(w) for w in p.windows_ms]
     ax.bar(range(len(labels)), [b.by[x]["collectives_per_step"] for x in labels], color="C0",
            label="collectives / micro-step")
     ax2 = ax.twinx()
     ax2.plot(range(len(labels)), [b.by[x]["step_s"] * 1e3 for x in labels], "ko-", label="ms / micro-step")
-    ax.set_xticks(range(len(labels)), ["no window"] + [f"{w:g} ms" for w in p["windows_ms"]])
+    ax.set_xticks(range(len(labels)), ["no window"] + [f"{w:g} ms" for w in p.windows_ms])
     ax.set(ylabel="collectives per micro-step", title="windows: fewer collectives, larger effective batch")
     ax2.set(ylabel="ms per micro-step", ylim=(0, None))
     ax.legend(loc="upper right", fontsize=7)
     ax = axes[2]
     names = list(failed)
     ax.barh(range(len(names)), [failed[n]["seconds_to_error"] for n in names], color=["C3", "C1", "C7"])
-    ax.axvline(p["collective_timeout_s"], color="C1", ls="--", lw=1,
-               label=f"bucketer timeout {p['collective_timeout_s']:g} s")
-    ax.axvline(p["pg_timeout_s"], color="C7", ls="--", lw=1, label=f"process-group timeout {p['pg_timeout_s']:g} s")
+    ax.axvline(p.collective_timeout_s, color="C1", ls="--", lw=1,
+               label=f"bucketer timeout {p.collective_timeout_s:g} s")
+    ax.axvline(p.pg_timeout_s, color="C7", ls="--", lw=1, label=f"process-group timeout {p.pg_timeout_s:g} s")
     ax.set_yticks(range(len(names)), [n.replace(", ", "\n", 1) for n in names], fontsize=7)
     ax.set(xlabel="seconds until rank 0 raises", title="a failed peer on gloo (NCCL: not testable here)")
     ax.legend(fontsize=7)
@@ -264,27 +319,28 @@ def plot(b: Bucketing, a: Alignment, failed: Mapping[str, Mapping[str, Any]], pa
     return fig
 
 
-def verdict_texts(b: Bucketing, metrics: Mapping[str, float], params: Mapping[str, Any], tokens: int) -> dict[str, str]:
+def verdict_texts(b: Bucketing, metrics: Mapping[str, float], settings: BucketingSettings,
+                  tokens: int) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C9").grade``."""
-    p, m = params, metrics
-    last = f"{p['windows_ms'][-1]:g}"
+    p, m = settings, metrics
+    last = f"{p.windows_ms[-1]:g}"
     no_window = b.by[f"bucketer {BUCKET} MiB"]
     scale = (f"{b.n_params / 1e6:.1f}M-param GPT-2-style decoder, fp32 gradients, {tokens} tokens/rank, "
-             f"{p['world_size']} gloo ranks on loopback, {p['rounds']} rounds x {p['steps']} micro-steps per set-up; "
+             f"{p.world_size} gloo ranks on loopback, {p.rounds} rounds x {p.steps} micro-steps per set-up; "
              f"{describe(machine_info())}")
     measured = (f"DDP default / bucketer 8 MiB = {m['bucket_speedup_vs_ddp']:.3f}x (DDP 8 MiB / bucketer 8 MiB "
                 f"{m['bucket8_vs_ddp8']:.3f}x, best multiple of 8: {m['best_multiple_of_8_mb']:g} MiB "
                 f"{m['best_multiple_of_8_speedup_vs_ddp']:.3f}x; all fp32 on {machine_info()['cpu_capability']}); "
                 f"all-reduce throughput on the 8 MiB grid / off it {m['aligned_throughput_ratio']:.3f}x")
     note = (f"gradients equal the explicit average (max difference {m['max_grad_error_vs_average']:.1e}); "
-            f"a {p['windows_ms'][0]:g} ms window here is k = {int(m['window_first_k'])} micro-step(s) of "
+            f"a {p.windows_ms[0]:g} ms window here is k = {int(m['window_first_k'])} micro-step(s) of "
             f"{no_window['step_s'] * 1e3:.0f} ms; a {last} ms window cuts collectives per micro-step "
             f"{no_window['collectives_per_step']:.1f} -> {m[f'window_{last}ms_collectives_per_step']:.2f} "
             f"({m[f'window_{last}ms_throughput_gain']:.2f}x throughput) by growing the effective batch "
             f"{int(m[f'window_{last}ms_k'])}x. Error handling: on gloo a dead rank raised in "
-            f"{m['dead_rank_error_s']:.2f} s, a stalled one after the bucketer's {p['collective_timeout_s']:g} s "
+            f"{m['dead_rank_error_s']:.2f} s, a stalled one after the bucketer's {p.collective_timeout_s:g} s "
             f"timeout ({m['stalled_rank_error_s']:.1f} s), a blocking all-reduce only after the process group's "
-            f"{p['pg_timeout_s']:g} s ({m['stalled_blocking_error_s']:.1f} s); TORCH_NCCL_ASYNC_ERROR_HANDLING is read "
+            f"{p.pg_timeout_s:g} s ({m['stalled_blocking_error_s']:.1f} s); TORCH_NCCL_ASYNC_ERROR_HANDLING is read "
             "by NCCL only and did nothing here. Setting it to 0 disables the watchdog's abort (default 3), which "
             "turns such failures into hangs: not testable here (needs >= 2 GPUs), and not advisable")
     return {"scale": scale, "measured_text": measured, "note": note}

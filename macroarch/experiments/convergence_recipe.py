@@ -26,7 +26,7 @@ import functools
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,9 @@ from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info, torch_dtype
-from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, lm_loss, train_lm
+from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
+from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
+from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import CompensatedAdamW, LossSpikeGuard, MasterWeightAdamW, NormGradScaler, recipe_scheduler
 
@@ -208,11 +210,73 @@ def optimum_ratio_interval(multipliers: Sequence[float], losses_a: Sequence[Sequ
 
 
 # ---------------------------------------------------------------------------------------------- the notebook
+@dataclass(frozen=True)
+class RecipeSettings(Settings):
+    """Notebook 08's settings: its parameters cell, less ``profile`` (``RecipeSettings.from_params(params)``)."""
+
+    seeds: int
+    """Seeds per grid point: ``seed``, ``seed + 1``, ..."""
+    n_layers: int
+    """Decoder layers (GPT-2 style)."""
+    width: int
+    """Decoder width (feed-forward: 4 x width)."""
+    n_heads: int
+    """Attention heads; must divide ``width``."""
+    seq_len: int
+    """Bytes per sequence."""
+    batch_size: int
+    """Sequences per step."""
+    steps: int
+    """Steps per run: long enough that every run is past the early loss plateau."""
+    base_lr: float
+    """The usual LR (multiplier 1.0), near plain AdamW's best for this model."""
+    warmup_steps: int
+    """The usual warmup (factor 1.0), about 10% of the steps."""
+    lr_multipliers: tuple[float, ...]
+    """The LR multipliers of the grid (the post's 1.2-1.5 and brackets around it)."""
+    eval_batches: int
+    """Held-out batches of the final loss."""
+    device: str
+    """cpu or cuda."""
+    threads: int
+    """Torch threads."""
+    seed: int = 0
+    """First seed (initial weights and batch order)."""
+    corpus: str = "stdlib"
+    """data/text/<corpus>."""
+    warmup_factors: tuple[float, ...] = (1.0, 1.3)
+    """Warmup lengths as factors of ``warmup_steps``; first: the usual warmup; last: the post's +30%."""
+    stacks: tuple[str, ...] = ("plain", "macro", "mvas")
+    """The stacks of :data:`STACKS` run (plain AdamW, DGR + CompensatedAdamW + guard, MVAS + DGR)."""
+    group_size: int = 2
+    """DGR: blocks per group."""
+    spike_threshold: float = 0.15
+    """The guard's trigger: the loss this share over the mean of the last 20."""
+    compute_dtype: str = "float32"
+    """float32 | bfloat16 (``auto`` resolved by ``resolve_parameters``)."""
+
+    def __post_init__(self) -> None:
+        self._positive("seeds", "n_layers", "width", "n_heads", "seq_len", "batch_size", "steps", "base_lr",
+                       "eval_batches", "threads", "group_size", "spike_threshold")
+        self._non_negative("warmup_steps")
+        self._non_empty("lr_multipliers", "warmup_factors", "stacks")
+        self._one_of("compute_dtype", COMPUTE_DTYPES)
+        self._device()
+        if self.width % self.n_heads:
+            self._fail("n_heads", f"a divisor of width {self.width}")
+        if any(not m > 0 for m in self.lr_multipliers):
+            self._fail("lr_multipliers", "positive numbers")
+        if any(not w > 0 for w in self.warmup_factors):
+            self._fail("warmup_factors", "positive numbers")
+        if any(stack not in STACKS for stack in self.stacks):
+            self._fail("stacks", f"names from {', '.join(STACKS)}")
+
+
 @dataclass
 class Sweep:
     """Every run of the grid, keyed ``(stack, multiplier, warmup factor, seed)``."""
 
-    params: dict[str, Any]
+    settings: RecipeSettings
     seeds: list[int]
     n_params: int
     initial_loss: float
@@ -225,7 +289,7 @@ class Sweep:
 
     def table(self, stack: str, warm: float) -> np.ndarray:
         """(seeds, multipliers) held-out losses."""
-        return np.stack([self.losses(stack, warm, m) for m in self.params["lr_multipliers"]], axis=1)
+        return np.stack([self.losses(stack, warm, m) for m in self.settings.lr_multipliers], axis=1)
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per run, for a W&B table that can be re-plotted in the UI."""
@@ -235,42 +299,42 @@ class Sweep:
                 for (stack, mult, warm, seed), r in self.results.items()]
 
     def describe(self) -> str:
-        p = self.params
-        runs = len(p["stacks"]) * len(p["lr_multipliers"]) * len(p["warmup_factors"]) * len(self.seeds)
-        return (f"{p['n_layers']}-layer decoder, width {p['width']}: {self.n_params / 1e6:.3f}M parameters; "
-                f"{p['steps']} steps of {p['batch_size']}x{p['seq_len']} bytes in {p['compute_dtype']}; {runs} runs")
+        p = self.settings
+        runs = len(p.stacks) * len(p.lr_multipliers) * len(p.warmup_factors) * len(self.seeds)
+        return (f"{p.n_layers}-layer decoder, width {p.width}: {self.n_params / 1e6:.3f}M parameters; "
+                f"{p.steps} steps of {p.batch_size}x{p.seq_len} bytes in {p.compute_dtype}; {runs} runs")
 
 
-def _spec(p: Mapping[str, Any]):
-    return get_model_spec("gpt3_tiny").scaled(n_layers=p["n_layers"], d_model=p["width"], n_heads=p["n_heads"],
-                                              n_kv_heads=p["n_heads"], d_ff=4 * p["width"], dropout=0.0,
-                                              max_seq_len=p["seq_len"])
+def _spec(p: RecipeSettings):
+    return get_model_spec("gpt3_tiny").scaled(n_layers=p.n_layers, d_model=p.width, n_heads=p.n_heads,
+                                              n_kv_heads=p.n_heads, d_ff=4 * p.width, dropout=0.0,
+                                              max_seq_len=p.seq_len)
 
 
-def _build(p: Mapping[str, Any], seed: int) -> torch.nn.Module:
+def _build(p: RecipeSettings, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = _spec(p).build(device=p["device"])
-    dtype = torch_dtype(p["compute_dtype"])
+    model = _spec(p).build(device=p.device)
+    dtype = torch_dtype(p.compute_dtype)
     return model if dtype == torch.float32 else model.to(dtype)
 
 
-def sweep(params: Mapping[str, Any]) -> Sweep:
+def sweep(settings: RecipeSettings) -> Sweep:
     """Threads, corpus, batches per seed, then every (stack, multiplier, warmup, seed) run (progress bar)."""
-    p = dict(params)
-    torch.set_num_threads(p["threads"])
+    p = settings
+    torch.set_num_threads(p.threads)
     logging.getLogger("macroarch.optim").setLevel(logging.ERROR)  # triggers are counted, not printed one by one
-    text = load_corpus(ensure_corpus(p["corpus"]))
-    seeds = [p["seed"] + i for i in range(p["seeds"])]
-    train = {s: list(lm_batches(text.train, p["batch_size"], p["seq_len"], seed=s, steps=p["steps"])) for s in seeds}
-    held_out = list(eval_batches(text.val, p["batch_size"], p["seq_len"], max_batches=p["eval_batches"]))
-    n_params = sum(t.numel() for t in _build(p, p["seed"]).parameters())
-    out = Sweep(p, seeds, n_params, evaluate_lm(_build(p, p["seed"]), held_out).loss)
-    grid = list(itertools.product(p["stacks"], p["lr_multipliers"], p["warmup_factors"], seeds))
+    text = load_corpus(ensure_corpus(p.corpus))
+    seeds = [p.seed + i for i in range(p.seeds)]
+    train = {s: list(lm_batches(text.train, p.batch_size, p.seq_len, seed=s, steps=p.steps)) for s in seeds}
+    held_out = list(eval_batches(text.val, p.batch_size, p.seq_len, max_batches=p.eval_batches))
+    n_params = sum(t.numel() for t in _build(p, p.seed).parameters())
+    out = Sweep(p, seeds, n_params, evaluate_lm(_build(p, p.seed), held_out).loss)
+    grid = list(itertools.product(p.stacks, p.lr_multipliers, p.warmup_factors, seeds))
     for stack, mult, warm, s in tqdm(grid, desc="runs", mininterval=10):
-        options = dict(group_size=p["group_size"]) if stack != "plain" else {}
+        options = dict(group_size=p.group_size) if stack != "plain" else {}
         out.results[stack, mult, warm, s] = recipe_run(
-            _build(p, s), train[s], held_out, stack=stack, base_lr=p["base_lr"], lr_multiplier=mult,
-            warmup_steps=p["warmup_steps"], warmup_extension=warm - 1.0, spike_threshold=p["spike_threshold"],
+            _build(p, s), train[s], held_out, stack=stack, base_lr=p.base_lr, lr_multiplier=mult,
+            warmup_steps=p.warmup_steps, warmup_extension=warm - 1.0, spike_threshold=p.spike_threshold,
             **options)
     return out
 
@@ -299,11 +363,11 @@ class Analysis:
 
 
 def analyse(sw: Sweep) -> Analysis:
-    p, seeds = sw.params, len(sw.seeds)
-    mults, usual, recipe = p["lr_multipliers"], p["warmup_factors"][0], p["warmup_factors"][-1]
+    p, seeds = sw.settings, len(sw.seeds)
+    mults, usual, recipe = p.lr_multipliers, p.warmup_factors[0], p.warmup_factors[-1]
     medians, optimum, sem, m = {}, {}, [], {}
-    for stack in p["stacks"]:
-        for warm in p["warmup_factors"]:
+    for stack in p.stacks:
+        for warm in p.warmup_factors:
             medians[stack, warm] = [float(np.median(sw.losses(stack, warm, x))) for x in mults]
             sem += [float(sw.losses(stack, warm, x).std(ddof=1) / np.sqrt(seeds)) if seeds > 1 else 0.0
                     for x in mults]
@@ -311,7 +375,7 @@ def analyse(sw: Sweep) -> Analysis:
             for x, v in zip(mults, medians[stack, warm]):
                 m[f"{_key(stack, warm)}_x{x:g}_eval_loss".replace(".", "p")] = v
             m[f"{_key(stack, warm)}_optimum_multiplier"] = optimum[stack, warm]
-    macro = "macro" if "macro" in p["stacks"] else p["stacks"][-1]
+    macro = "macro" if "macro" in p.stacks else p.stacks[-1]
     best = optimum[macro, recipe] / optimum["plain", usual]
     same_warmup = optimum[macro, usual] / optimum["plain", usual]
     # How far seed noise alone moves the ratio: a paired bootstrap over seeds (90% interval).
@@ -320,20 +384,20 @@ def analyse(sw: Sweep) -> Analysis:
     edges = [name for name, v in (("plain", optimum["plain", usual]), (macro, optimum[macro, recipe]))
              if v in (min(mults), max(mults))]
     warmup_gain = {stack: float(np.median([sw.losses(stack, usual, x) - sw.losses(stack, recipe, x) for x in mults]))
-                   for stack in p["stacks"]}  # paired: same seed and LR
+                   for stack in p.stacks}  # paired: same seed and LR
     near = min(mults, key=lambda x: abs(x - 1.35))
     recipe_gain = float(np.median(sw.losses(macro, usual, 1.0 if 1.0 in mults else mults[0])
                                   - sw.losses(macro, recipe, near)))
     triggers = {stack: [r.metrics["spike_triggers"] for k, r in sw.results.items() if k[0] == stack]
-                for stack in p["stacks"]}
+                for stack in p.stacks}
     noise = float(np.mean(sem))
     m.update(best_lr_multiplier=best, best_lr_multiplier_lo=lo, best_lr_multiplier_hi=hi,
              same_warmup_lr_shift=same_warmup, plain_optimum_multiplier=optimum["plain", usual],
              macro_optimum_multiplier=optimum[macro, recipe], recipe_loss_gain=recipe_gain,
              seed_standard_error=noise, optimum_at_grid_edge=len(edges),
-             **{f"{stack}_warmup_extension_gain": warmup_gain[stack] for stack in p["stacks"]},
-             **{f"{stack}_spike_triggers": int(sum(triggers[stack])) for stack in p["stacks"]},
-             **{f"{stack}_runs_with_triggers": int(sum(t > 0 for t in triggers[stack])) for stack in p["stacks"]})
+             **{f"{stack}_warmup_extension_gain": warmup_gain[stack] for stack in p.stacks},
+             **{f"{stack}_spike_triggers": int(sum(triggers[stack])) for stack in p.stacks},
+             **{f"{stack}_runs_with_triggers": int(sum(t > 0 for t in triggers[stack])) for stack in p.stacks})
     return Analysis(medians, optimum, macro, best, (lo, hi), same_warmup, edges, warmup_gain, near, recipe_gain,
                     triggers, noise, m)
 
@@ -342,7 +406,7 @@ def best_curves(sw: Sweep, a: Analysis) -> dict[str, np.ndarray]:
     """Per stack and warmup: the seed-mean training loss at the grid's best multiplier (seed-median loss)."""
     curves = {}
     for (stack, warm), medians in a.medians.items():
-        runs = [sw.results[stack, sw.params["lr_multipliers"][int(np.argmin(medians))], warm, s] for s in sw.seeds]
+        runs = [sw.results[stack, sw.settings.lr_multipliers[int(np.argmin(medians))], warm, s] for s in sw.seeds]
         n = min(len(r.losses) for r in runs)
         curves[_key(stack, warm)] = np.mean([r.losses[:n] for r in runs], axis=0)
     return curves
@@ -356,9 +420,9 @@ def log_curves(sw: Sweep, a: Analysis, run: Any, every: int = 5) -> None:
 
 def text(sw: Sweep, a: Analysis) -> str:
     """The median-loss grid with each optimum, the graded ratio, the gains and the spike triggers."""
-    p, macro = sw.params, a.graded_stack
-    usual, recipe = p["warmup_factors"][0], p["warmup_factors"][-1]
-    lines = [f"{'stack / warmup':<18}" + "".join(f"{x:>14g}x" for x in p["lr_multipliers"]) + f"{'optimum':>10}"]
+    p, macro = sw.settings, a.graded_stack
+    usual, recipe = p.warmup_factors[0], p.warmup_factors[-1]
+    lines = [f"{'stack / warmup':<18}" + "".join(f"{x:>14g}x" for x in p.lr_multipliers) + f"{'optimum':>10}"]
     for (stack, warm), medians in a.medians.items():
         lines.append(f"{stack + ' / ' + format(warm, 'g'):<18}" + "".join(f"{v:>15.4f}" for v in medians)
                      + f"{a.optimum[stack, warm]:>10.3f}")
@@ -380,13 +444,13 @@ def text(sw: Sweep, a: Analysis) -> str:
 
 def timing_text(sw: Sweep) -> str:
     """Median wall seconds per run of each stack (same steps and batches), with its ratio to plain's: where the
-    stacks' cost shows (MVAS's kernels on a tiny model: per-call costs; ``macroarch.mvas.kernels``)."""
+    stacks' cost shows (MVAS's kernels on a tiny model: per-call costs; ``macroarch.mvas._kernels``)."""
     per_stack: dict[str, list[float]] = {}
     for (stack, *_), r in sw.results.items():
         per_stack.setdefault(stack, []).append(r.seconds)
     medians = {stack: float(np.median(t)) for stack, t in per_stack.items()}
     base = medians.get("plain")
-    return f"median seconds per run of {sw.params['steps']} steps: " + ", ".join(
+    return f"median seconds per run of {sw.settings.steps} steps: " + ", ".join(
         f"{stack} {t:.1f}" + (f" ({t / base:.2f}x plain)" if base and stack != "plain" else "")
         for stack, t in medians.items())
 
@@ -394,22 +458,22 @@ def timing_text(sw: Sweep) -> str:
 def plot(sw: Sweep, a: Analysis) -> Figure:
     """Final loss against the LR multiplier with each optimum; training curves near 1.35x; the spike guard at
     work in the macro run where it fired most."""
-    p, seeds, macro = sw.params, len(sw.seeds), a.graded_stack
-    mults, usual, recipe = p["lr_multipliers"], p["warmup_factors"][0], p["warmup_factors"][-1]
+    p, seeds, macro = sw.settings, len(sw.seeds), a.graded_stack
+    mults, usual, recipe = p.lr_multipliers, p.warmup_factors[0], p.warmup_factors[-1]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.4))
     ax = axes[0]
-    for stack in p["stacks"]:
-        for warm, style in zip(p["warmup_factors"], ("o-", "s--", "^:")):
+    for stack in p.stacks:
+        for warm, style in zip(p.warmup_factors, ("o-", "s--", "^:")):
             errs = [sw.losses(stack, warm, x).std(ddof=1) / np.sqrt(seeds) if seeds > 1 else 0 for x in mults]
             line = ax.errorbar(mults, a.medians[stack, warm], yerr=errs, fmt=style, ms=4, capsize=2,
                                label=f"{stack}, warmup x{warm:g}: optimum {a.optimum[stack, warm]:.2f}x")
             ax.axvline(a.optimum[stack, warm], color=line[0].get_color(), lw=0.6, ls=":")
     ax.axvspan(1.2, 1.5, color="grey", alpha=0.12, label="the post's 1.2-1.5x")
     ax.set(xscale="log", xticks=mults, xticklabels=[f"{x:g}" for x in mults],
-           xlabel=f"LR multiplier (1 = {p['base_lr']:g})", ylabel=f"held-out loss (median of {seeds} seeds, s.e. bars)",
+           xlabel=f"LR multiplier (1 = {p.base_lr:g})", ylabel=f"held-out loss (median of {seeds} seeds, s.e. bars)",
            title="final loss vs LR multiplier")
     ax = axes[1]
-    for stack in p["stacks"]:
+    for stack in p.stacks:
         for warm in (usual, recipe):
             runs = [sw.results[stack, a.near, warm, s] for s in sw.seeds]
             n = min(len(r.losses) for r in runs)
@@ -436,18 +500,18 @@ def plot(sw: Sweep, a: Analysis) -> Figure:
 
 def verdict_texts(sw: Sweep, a: Analysis) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C10").grade``."""
-    p, m, macro = sw.params, a.metrics, a.graded_stack
-    usual, recipe = p["warmup_factors"][0], p["warmup_factors"][-1]
+    p, m, macro = sw.settings, a.metrics, a.graded_stack
+    usual, recipe = p.warmup_factors[0], p.warmup_factors[-1]
     lo, hi = a.interval
-    baseline = "bf16 weights + fp32 master AdamW" if p["compute_dtype"] != "float32" else "fp32 AdamW"
-    scale = (f"{p['n_layers']}-layer GPT-2-style decoder, width {p['width']} ({sw.n_params / 1e6:.3f}M params), "
-             f"{p['steps']} steps of {p['batch_size']}x{p['seq_len']} bytes, base LR {p['base_lr']:g}, warmup "
-             f"{p['warmup_steps']}; LR x{p['lr_multipliers']}, warmup x{p['warmup_factors']}, {len(sw.seeds)} seeds; "
-             f"stacks {p['stacks']} (plain: {baseline}); "
-             f"{describe(machine_info(p['device']), p['compute_dtype'])}")
+    baseline = "bf16 weights + fp32 master AdamW" if p.compute_dtype != "float32" else "fp32 AdamW"
+    scale = (f"{p.n_layers}-layer GPT-2-style decoder, width {p.width} ({sw.n_params / 1e6:.3f}M params), "
+             f"{p.steps} steps of {p.batch_size}x{p.seq_len} bytes, base LR {p.base_lr:g}, warmup "
+             f"{p.warmup_steps}; LR x{list(p.lr_multipliers)}, warmup x{list(p.warmup_factors)}, {len(sw.seeds)} "
+             f"seeds; stacks {list(p.stacks)} (plain: {baseline}); "
+             f"{describe(machine_info(p.device), p.compute_dtype)}")
     measured = (f"LR optimum {macro} (+{recipe - 1:.0%} warmup) / plain (usual warmup) = {a.best_lr_multiplier:.3f} "
                 f"(90% seed-bootstrap {lo:.2f}-{hi:.2f}) ({a.optimum[macro, recipe]:.3f}x vs "
-                f"{a.optimum['plain', usual]:.3f}x of {p['base_lr']:g}); longer warmup gain "
+                f"{a.optimum['plain', usual]:.3f}x of {p.base_lr:g}); longer warmup gain "
                 f"{a.warmup_gain[macro]:+.4f} ({macro}), {a.warmup_gain['plain']:+.4f} (plain); "
                 f"seed s.e. {a.noise:.4f}")
     n = len(sw.seeds)
@@ -457,7 +521,7 @@ def verdict_texts(sw: Sweep, a: Analysis) -> dict[str, str]:
                f"spread of those, not as a 90% interval, and the grade as resting on the point estimate; "
                if resamples < 20 else "")
             + (f"MVAS + DGR stack: optimum {a.optimum['mvas', recipe]:.3f}x with +30% warmup, "
-               f"{a.optimum['mvas', usual]:.3f}x with the usual; " if "mvas" in p["stacks"] else "")
+               f"{a.optimum['mvas', usual]:.3f}x with the usual; " if "mvas" in p.stacks else "")
             + f"same-warmup shift {a.same_warmup_shift:.3f}; recipe ({a.near:g}x, +30% warmup) vs usual on {macro}: "
             f"{a.recipe_gain:+.4f}; spike guard fired in {int(m[macro + '_runs_with_triggers'])}/"
             f"{len(a.triggers[macro])} {macro} runs ({int(m[macro + '_spike_triggers'])} triggers); a detached "

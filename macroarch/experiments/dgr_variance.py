@@ -37,6 +37,7 @@ from macroarch.dgr import DGRWrapper, GradientCompensator
 from macroarch.experiments.loop import train_lm
 from macroarch.measure.gradients import GradientNormRecorder, layer_norm_spread, minibatch_gradient_variance
 from macroarch.measure.memory import StepMemory, format_bytes, measure_step
+from macroarch.measure.workload import lm_loss
 from macroarch.models import ModelSpec, get_model_spec
 
 VARIANTS: dict[str, dict | None] = {
@@ -61,10 +62,6 @@ COINCIDE = 0.01
 def variant_key(variant: str) -> str:
     """Metric-name form: ``"DGR interleaved + DC-ASGD"`` -> ``"DGR_interleaved_DC_ASGD"``."""
     return re.sub(r"[^A-Za-z0-9]+", "_", variant).strip("_")
-
-
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch[0], labels=batch[1]).loss
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from macroarch.measure.workload import lm_loss
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 Step = Callable[[nn.Module, torch.optim.Optimizer, Batch], float]
 NONFINITE = ("raise", "stop")
@@ -91,13 +93,6 @@ class EvalResult:
 
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The model's own causal-LM loss on ``(input_ids, labels)`` (transformers shifts the labels), the batch moved
-    to the model's device."""
-    device = _device(model)
-    return model(input_ids=batch[0].to(device), labels=batch[1].to(device)).loss
 
 
 PHASES = ("forward", "backward", "optimizer step")

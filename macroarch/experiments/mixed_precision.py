@@ -37,12 +37,67 @@ from matplotlib.figure import Figure
 
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info
-from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, lm_loss, train_lm
+from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
+from macroarch.experiments.settings import Settings
+from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import AUTO_MASTER_MIN_ACCUMULATION, CompensatedAdamW
 
 SCALING_METHODS = ("none", "gradscaler", "norm_rule")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class MixedPrecisionSettings(Settings):
+    """Notebook 06's settings: its parameters cell, less ``profile`` (``MixedPrecisionSettings.from_params``)."""
+
+    n_layers: int
+    """Decoder layers (GPT-2 style)."""
+    width: int
+    """Decoder width (feed-forward: 4 x width)."""
+    n_heads: int
+    """Attention heads; must divide ``width``."""
+    seq_len: int
+    """Bytes per sequence."""
+    batch_size: int
+    """Sequences per update, split into ``batch_size / k`` micro-batches (every k must divide it)."""
+    steps: int
+    """Updates per accumulation run (the same for every accumulation count k)."""
+    accumulation: tuple[int, ...]
+    """Accumulation counts k."""
+    scaling_steps: int
+    """Updates per loss-scaling run (fp32 weights, fp16 autocast)."""
+    emulated_steps: int
+    """Where this CPU emulates bf16: ``steps`` and ``scaling_steps`` capped at this (:func:`run_sizes`)."""
+    probe_every: int
+    """Underflow probe: one fp32 backward every ``probe_every`` updates."""
+    eval_batches: int
+    """Held-out batches of the final loss."""
+    device: str
+    """cpu or cuda."""
+    threads: int
+    """Torch threads."""
+    seed: int = 0
+    """Initial weights and batch order."""
+    corpus: str = "stdlib"
+    """data/text/<corpus>."""
+    lr: float = 1e-3
+    """AdamW learning rate, no weight decay."""
+    dtypes: tuple[str, ...] = ("bf16", "fp16")
+    """16-bit weight dtypes of the master-copy runs."""
+
+    def __post_init__(self) -> None:
+        self._positive("n_layers", "width", "n_heads", "seq_len", "batch_size", "steps", "scaling_steps",
+                       "emulated_steps", "probe_every", "eval_batches", "threads", "lr")
+        self._non_empty("accumulation", "dtypes")
+        self._device()
+        if self.width % self.n_heads:
+            self._fail("n_heads", f"a divisor of width {self.width}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 or self.batch_size % k
+               for k in self.accumulation):
+            self._fail("accumulation", f"positive divisors of batch_size {self.batch_size}")
+        if any(d not in ("bf16", "fp16") for d in self.dtypes):
+            self._fail("dtypes", "a list of 'bf16' and 'fp16'")
 
 
 def _split(batch: Batch, parts: int) -> list[Batch]:
@@ -210,23 +265,23 @@ class Sizes:
                 f"{self.scaling_steps} loss-scaling updates (emulated_steps) to finish in the notebook's budget")
 
 
-def run_sizes(params: Mapping[str, Any], info: Mapping[str, Any] | None = None) -> Sizes:
+def run_sizes(settings: MixedPrecisionSettings, info: Mapping[str, Any] | None = None) -> Sizes:
     """The profile's ``steps`` and ``scaling_steps``, each capped at ``emulated_steps`` where the runs' CPU has
     no native bf16 (``info``: ``hardware.machine_info()``; a CUDA device is never shrunk)."""
-    info = machine_info(params["device"]) if info is None else info
-    emulated = not str(params["device"]).startswith("cuda") and not info["native_bf16"]
-    cap = params["emulated_steps"] if emulated else None
-    steps, scaling = params["steps"], params["scaling_steps"]
+    info = machine_info(settings.device) if info is None else info
+    emulated = not str(settings.device).startswith("cuda") and not info["native_bf16"]
+    cap = settings.emulated_steps if emulated else None
+    steps, scaling = settings.steps, settings.scaling_steps
     if cap is not None:
         steps, scaling = min(steps, cap), min(scaling, cap)
-    return Sizes(steps, scaling, emulated, describe(dict(info)), (params["steps"], params["scaling_steps"]))
+    return Sizes(steps, scaling, emulated, describe(dict(info)), (settings.steps, settings.scaling_steps))
 
 
 @dataclass
 class Setup:
     """The model, its initial weights per dtype, and the batches every run of the notebook shares."""
 
-    params: dict[str, Any]
+    settings: MixedPrecisionSettings
     sizes: Sizes
     spec: Any
     train: list[Batch]
@@ -236,29 +291,29 @@ class Setup:
 
     def build(self, dtype: str) -> torch.nn.Module:
         """The same initial weights for every run (seeded), rounded to the run's dtype."""
-        torch.manual_seed(self.params["seed"])
-        return self.spec.build().to(device=self.params["device"], dtype=DTYPES[dtype])
+        torch.manual_seed(self.settings.seed)
+        return self.spec.build().to(device=self.settings.device, dtype=DTYPES[dtype])
 
     def describe(self) -> str:
-        p = self.params
-        return (f"{p['n_layers']}-layer decoder, width {p['width']}: {self.n_params / 1e6:.3f}M parameters; "
-                f"{self.sizes.steps} updates of {p['batch_size']}x{p['seq_len']} bytes; held-out loss at init "
+        p = self.settings
+        return (f"{p.n_layers}-layer decoder, width {p.width}: {self.n_params / 1e6:.3f}M parameters; "
+                f"{self.sizes.steps} updates of {p.batch_size}x{p.seq_len} bytes; held-out loss at init "
                 f"{self.initial_loss:.3f}\n{self.sizes.describe()}")
 
 
-def setup(params: Mapping[str, Any], sizes: Sizes) -> Setup:
+def setup(settings: MixedPrecisionSettings, sizes: Sizes) -> Setup:
     """Threads, corpus, model spec, batches and the untrained model's held-out loss."""
-    p = dict(params)
-    torch.set_num_threads(p["threads"])
-    text = load_corpus(ensure_corpus(p["corpus"]))
-    spec = get_model_spec("gpt3_tiny").scaled(n_layers=p["n_layers"], d_model=p["width"], n_heads=p["n_heads"],
-                                              n_kv_heads=p["n_heads"], d_ff=4 * p["width"], dropout=0.0,
-                                              max_seq_len=p["seq_len"])
+    p = settings
+    torch.set_num_threads(p.threads)
+    text = load_corpus(ensure_corpus(p.corpus))
+    spec = get_model_spec("gpt3_tiny").scaled(n_layers=p.n_layers, d_model=p.width, n_heads=p.n_heads,
+                                              n_kv_heads=p.n_heads, d_ff=4 * p.width, dropout=0.0,
+                                              max_seq_len=p.seq_len)
     s = Setup(p, sizes, spec, [], [], 0, math.nan)
     s.n_params = sum(t.numel() for t in s.build("fp32").parameters())
-    s.train = list(lm_batches(text.train, p["batch_size"], p["seq_len"], seed=p["seed"],
+    s.train = list(lm_batches(text.train, p.batch_size, p.seq_len, seed=p.seed,
                               steps=max(sizes.steps, sizes.scaling_steps)))
-    s.held_out = list(eval_batches(text.val, p["batch_size"], p["seq_len"], max_batches=p["eval_batches"]))
+    s.held_out = list(eval_batches(text.val, p.batch_size, p.seq_len, max_batches=p.eval_batches))
     s.initial_loss = _eval_loss(s.build("fp32"), s.held_out)
     return s
 
@@ -280,16 +335,16 @@ class AccumulationSweep:
 
 def accumulation_sweep(s: Setup, run: Any = None) -> AccumulationSweep:
     """The fp32 reference, then every (dtype, master off/on, k); losses logged to ``run`` per update."""
-    p, steps = s.params, s.sizes.steps
-    reference = accumulation_run(s.build("fp32"), s.train[:steps], s.held_out, lr=p["lr"], accumulation_steps=1,
+    p, steps = s.settings, s.sizes.steps
+    reference = accumulation_run(s.build("fp32"), s.train[:steps], s.held_out, lr=p.lr, accumulation_steps=1,
                                  master_weights=False)
     results = {}
-    for dtype in p["dtypes"]:
+    for dtype in p.dtypes:
         for master in (False, True):
-            for k in p["accumulation"]:
+            for k in p.accumulation:
                 key = run_name(dtype, master, k)
                 log = None if run is None else (lambda step, loss, key=key: run.log(step=step, **{f"{key}_loss": loss}))
-                results[key] = accumulation_run(s.build(dtype), s.train[:steps], s.held_out, lr=p["lr"],
+                results[key] = accumulation_run(s.build(dtype), s.train[:steps], s.held_out, lr=p.lr,
                                                 accumulation_steps=k, master_weights=master, on_update=log, desc=key)
     return AccumulationSweep(reference, results)
 
@@ -306,7 +361,7 @@ def graded_dtype(dtypes: Sequence[str]) -> str:
 
 def accumulation_metrics(s: Setup, sweep: AccumulationSweep) -> dict[str, float]:
     """Per-run losses and lost updates, the master copy's gain per dtype at k >= 4 and below, the noise."""
-    dtypes, accumulation = s.params["dtypes"], s.params["accumulation"]
+    dtypes, accumulation = s.settings.dtypes, s.settings.accumulation
     m: dict[str, float] = {}
     for key, r in sweep.results.items():
         m[f"{key}_eval_loss"] = charged(s, r)
@@ -335,8 +390,8 @@ def accumulation_metrics(s: Setup, sweep: AccumulationSweep) -> dict[str, float]
 
 def log_gain_by_k(s: Setup, sweep: AccumulationSweep, run: Any) -> None:
     """The master copy's gain at each k, as a series over k."""
-    for dtype in s.params["dtypes"]:
-        for k in s.params["accumulation"]:
+    for dtype in s.settings.dtypes:
+        for k in s.settings.accumulation:
             run.log(step=k, **{f"{dtype}_master_gain_by_k": _gain(s, sweep, dtype, [k])})
 
 
@@ -346,11 +401,11 @@ def accumulation_table(s: Setup, sweep: AccumulationSweep) -> str:
     for key, r in sweep.results.items():
         lines.append(f"{key:<22}{r.eval_loss:>14.4f}{r.metrics['lost_update_fraction']:>14.4f}"
                      f"{r.metrics['stalled_fraction']:>16.4f}{str(r.diverged_at):>13}{r.seconds:>7.1f}")
-    for dtype in s.params["dtypes"]:
+    for dtype in s.settings.dtypes:
         lines.append(f"{dtype}: loss gain of the master copy by k: "
-                     + ", ".join(f"k={k}: {_gain(s, sweep, dtype, [k]):+.4f}" for k in s.params["accumulation"]))
+                     + ", ".join(f"k={k}: {_gain(s, sweep, dtype, [k]):+.4f}" for k in s.settings.accumulation))
     m = accumulation_metrics(s, sweep)
-    lines.append(f"graded ({graded_dtype(s.params['dtypes'])}): gain at k >= 4 {m['master_copy_loss_gain']:+.4f}, "
+    lines.append(f"graded ({graded_dtype(s.settings.dtypes)}): gain at k >= 4 {m['master_copy_loss_gain']:+.4f}, "
                  f"at k < 4 {m['master_copy_loss_gain_below_4']:+.4f}; rounding noise {m['master_copy_noise']:.4f}")
     return "\n".join(lines)
 
@@ -358,15 +413,15 @@ def accumulation_table(s: Setup, sweep: AccumulationSweep) -> str:
 def scaling_sweep(s: Setup, run: Any = None) -> dict[str, RunResult]:
     """The three loss-scaling methods from the same fp32 weights on the same batches; losses (every update) and
     scales (every ``probe_every``-th) logged to ``run``."""
-    p, out = s.params, {}
+    p, out = s.settings, {}
     for method in SCALING_METHODS:
         log = None if run is None else (lambda step, loss, method=method:
                                         run.log(step=step, **{f"scaling_{method}_loss": loss}))
         out[method] = loss_scaling_run(s.build("fp32"), s.train[:s.sizes.scaling_steps], s.held_out, method=method,
-                                       lr=p["lr"], probe_every=p["probe_every"], on_update=log, desc=method)
+                                       lr=p.lr, probe_every=p.probe_every, on_update=log, desc=method)
         if run is not None:
             for step, scale in enumerate(out[method].series["scale"]):
-                if step % p["probe_every"] == 0:
+                if step % p.probe_every == 0:
                     run.log(step=step, **{f"scaling_{method}_scale": scale})
     return out
 
@@ -396,7 +451,7 @@ def scaling_table(s: Setup, scaling: Mapping[str, RunResult]) -> str:
 
 def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunResult]) -> Figure:
     """Final loss and lost updates against k; the loss-scaling runs' losses and scales."""
-    dtypes, accumulation = s.params["dtypes"], s.params["accumulation"]
+    dtypes, accumulation = s.settings.dtypes, s.settings.accumulation
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     ax = axes[0]
     for dtype in dtypes:
@@ -435,8 +490,8 @@ def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunResult]) -
 def verdict_texts(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunResult],
                   metrics: Mapping[str, float]) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C8").grade``."""
-    p, m = s.params, metrics
-    graded = graded_dtype(p["dtypes"])
+    p, m = s.settings, metrics
+    graded = graded_dtype(p.dtypes)
     gain_high, gain_low, noise = m["master_copy_loss_gain"], m["master_copy_loss_gain_below_4"], m["master_copy_noise"]
     if gain_high <= noise:
         threshold = "the master copy does not measurably help at k >= 4"
@@ -446,18 +501,18 @@ def verdict_texts(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunR
     else:
         threshold = "the master copy's benefit appears from 4 accumulation steps on, as the post says"
     fp16_note = ""
-    if "fp16" in p["dtypes"]:
-        fp16_note = (f"fp16 without master: {int(m['fp16_nomaster_diverged_runs'])}/{len(p['accumulation'])} runs "
+    if "fp16" in p.dtypes:
+        fp16_note = (f"fp16 without master: {int(m['fp16_nomaster_diverged_runs'])}/{len(p.accumulation)} runs "
                      f"diverged; fp16 gain at k >= 4 {m['fp16_master_copy_loss_gain_at_4_plus']:+.3f}, "
                      f"below 4 {m['fp16_master_copy_loss_gain_below_4']:+.3f}")
     lost = np.mean([sweep.results[run_name(graded, False, k)].metrics["lost_update_fraction"]
-                    for k in p["accumulation"]])
+                    for k in p.accumulation])
     gs, rule = scaling["gradscaler"].metrics, scaling["norm_rule"].metrics
-    scale = (f"{p['n_layers']}-layer GPT-2-style decoder, width {p['width']} ({s.n_params / 1e6:.3f}M params), "
-             f"{s.sizes.steps} AdamW updates of {p['batch_size']}x{p['seq_len']} bytes at lr {p['lr']:g}, "
-             f"accumulation {p['accumulation']}, weights in {' and '.join(p['dtypes'])}; loss scaling: fp16 "
+    scale = (f"{p.n_layers}-layer GPT-2-style decoder, width {p.width} ({s.n_params / 1e6:.3f}M params), "
+             f"{s.sizes.steps} AdamW updates of {p.batch_size}x{p.seq_len} bytes at lr {p.lr:g}, "
+             f"accumulation {list(p.accumulation)}, weights in {' and '.join(p.dtypes)}; loss scaling: fp16 "
              f"autocast, {s.sizes.scaling_steps} updates; {s.sizes.machine}"
-             + (f" (shrunk from {p['steps']} and {p['scaling_steps']} updates: emulated_steps)" if s.sizes.shrunk
+             + (f" (shrunk from {p.steps} and {p.scaling_steps} updates: emulated_steps)" if s.sizes.shrunk
                 else ""))
     measured = (f"{graded} master-copy loss gain {gain_high:+.4f} at k >= 4 vs {gain_low:+.4f} at k < 4 "
                 f"(noise {noise:.4f}); lost updates without master {lost:.1%}; GradScaler/rule loss ratio "

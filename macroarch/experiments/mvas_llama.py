@@ -24,7 +24,7 @@ Llama on bytes, so only the gap between variants is comparable.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,8 @@ from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, MVASConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info, torch_dtype
-from macroarch.experiments.loop import Batch, TrainLog, evaluate_lm, lm_loss, train_round_robin
+from macroarch.experiments.loop import Batch, TrainLog, evaluate_lm, train_round_robin
+from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.memory import (
     PRECISIONS,
     STATE_CATEGORIES,
@@ -48,6 +49,7 @@ from macroarch.measure.memory import (
     training_bytes,
     training_state_bytes,
 )
+from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import MasterWeightAdamW
 
@@ -67,12 +69,76 @@ def _short(dtype: str) -> str:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
 
 
+# ------------------------------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class MVASLlamaSettings(Settings):
+    """Notebook 05's settings: its parameters cell, less ``profile`` (``MVASLlamaSettings.from_params(params)``)."""
+
+    layers: int
+    """Decoder layers of the small Llama."""
+    width: int
+    """Its model width (feed-forward: 8/3 x width, rounded down to a multiple of 32)."""
+    heads: int
+    """Its attention heads (as many key/value heads); must divide ``width``."""
+    seq_len: int
+    """Bytes per row."""
+    batch_size: int
+    """Rows per step."""
+    steps: int
+    """Training steps of every variant."""
+    importance_batches: int
+    """Batches of the Fisher diagonal at initialisation, for the first plan (at most ``steps``)."""
+    replan_every: int
+    """MVASSchedule: re-plan every K steps (the first after K)."""
+    n_eval_batches: int
+    """Held-out batches of the eval loss and next-token accuracy."""
+    compute_dtype: str
+    """float32 | bfloat16 | float16 (``auto`` resolved by ``resolve_parameters``): the small Llama computes in it."""
+    device: str
+    """The small Llama's device (the full-size measurements are fake CPU tensors)."""
+    big_model: str
+    """C7's model (Llama-65B; ci: a tiny stand-in on the same code paths)."""
+    c1_model: str
+    """C1's ~10B model."""
+    big_seq_len: int
+    """Tokens per row of the full-size step."""
+    seed: int = 0
+    """Initial weights, batch order, MVASAdamW's stochastic rounding."""
+    corpus: str = "stdlib"
+    """data/text/<corpus>."""
+    lr: float = 2e-3
+    """Learning rate of every variant, no weight decay."""
+    weight_bytes: float = 0.9
+    """MVAS budget: mean bytes per managed weight element (bf16: 2)."""
+    threads: int = 1
+    """Torch threads."""
+    big_batch: int = 1
+    """Rows of the measured full-size step."""
+    depths: tuple[int, ...] = (1, 2, 3)
+    """Full-width depths measured; bytes extrapolated (affine in depth) to full depth. At least two."""
+    check_full_depth: bool = True
+    """Also measure the baseline at full depth: the extrapolation must match it."""
+
+    def __post_init__(self) -> None:
+        self._positive("layers", "width", "heads", "seq_len", "batch_size", "steps", "importance_batches",
+                       "replan_every", "n_eval_batches", "big_seq_len", "lr", "weight_bytes", "threads", "big_batch")
+        self._one_of("compute_dtype", COMPUTE_DTYPES)
+        self._device()
+        if self.width % self.heads:
+            self._fail("heads", f"a divisor of width {self.width}")
+        if self.importance_batches > self.steps:
+            self._fail("importance_batches", f"at most steps ({self.steps}): the plan reads the training batches")
+        if len(set(self.depths)) < 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
+                                            for d in self.depths):
+            self._fail("depths", "two or more distinct positive layer counts")
+
+
 # ------------------------------------------------------------------------------------------ the small Llama
 @dataclass
 class SmallLlama:
     """The small Llama's initial weights (in the compute dtype) and the batches every variant shares."""
 
-    params: dict[str, Any]
+    settings: MVASLlamaSettings
     initial: torch.nn.Module
     train: list[Batch]
     held_out: list[Batch]
@@ -83,50 +149,49 @@ class SmallLlama:
 
     @property
     def baseline(self) -> str:
-        return baseline_name(self.params["compute_dtype"])
+        return baseline_name(self.settings.compute_dtype)
 
     def describe(self) -> str:
-        p = self.params
-        return (f"small Llama: {p['layers']} layers x {p['width']}, {self.n_params / 1e6:.2f}M parameters, "
-                f"{p['compute_dtype']} compute; {p['steps']} steps of {p['batch_size']}x{p['seq_len']} bytes; eval on "
+        s = self.settings
+        return (f"small Llama: {s.layers} layers x {s.width}, {self.n_params / 1e6:.2f}M parameters, "
+                f"{s.compute_dtype} compute; {s.steps} steps of {s.batch_size}x{s.seq_len} bytes; eval on "
                 f"{sum(len(b[0]) for b in self.held_out)} held-out windows\n"
-                f"{describe(machine_info(p['device']), p['compute_dtype'])}")
+                f"{describe(machine_info(s.device), s.compute_dtype)}")
 
 
-def small_llama(params: Mapping[str, Any]) -> SmallLlama:
+def small_llama(settings: MVASLlamaSettings) -> SmallLlama:
     """Threads, corpus, the seeded initial model (cast to ``compute_dtype``) and the batches, on ``device``."""
-    p = dict(params)
-    torch.set_num_threads(p["threads"])
-    text = load_corpus(ensure_corpus(p["corpus"]))
-    width = p["width"]
-    spec = get_model_spec("llama_65b_tiny").scaled(n_layers=p["layers"], d_model=width, n_heads=p["heads"],
-                                                    n_kv_heads=p["heads"], d_ff=int(8 * width / 3) // 32 * 32,
-                                                    max_seq_len=p["seq_len"])
-    torch.manual_seed(p["seed"])
-    initial = spec.build().to(device=p["device"], dtype=torch_dtype(p["compute_dtype"]))
+    s = settings
+    torch.set_num_threads(s.threads)
+    text = load_corpus(ensure_corpus(s.corpus))
+    spec = get_model_spec("llama_65b_tiny").scaled(n_layers=s.layers, d_model=s.width, n_heads=s.heads,
+                                                    n_kv_heads=s.heads, d_ff=int(8 * s.width / 3) // 32 * 32,
+                                                    max_seq_len=s.seq_len)
+    torch.manual_seed(s.seed)
+    initial = spec.build().to(device=s.device, dtype=torch_dtype(s.compute_dtype))
 
     def to_device(batches):
-        return [tuple(t.to(p["device"]) for t in b) for b in batches]
+        return [tuple(t.to(s.device) for t in b) for b in batches]
 
-    train = to_device(lm_batches(text.train, p["batch_size"], p["seq_len"], seed=p["seed"], steps=p["steps"]))
-    held_out = to_device(eval_batches(text.val, p["batch_size"], p["seq_len"], max_batches=p["n_eval_batches"]))
-    return SmallLlama(p, initial, train, held_out)
+    train = to_device(lm_batches(text.train, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps))
+    held_out = to_device(eval_batches(text.val, s.batch_size, s.seq_len, max_batches=s.n_eval_batches))
+    return SmallLlama(s, initial, train, held_out)
 
 
 def first_plan(small: SmallLlama) -> mvas.PrecisionPlan:
     """The plan at initialisation: Fisher diagonal (in fp32) over ``importance_batches`` batches, HAWQ
     sensitivity, formats by knapsack at ``weight_bytes`` per managed element."""
-    p = small.params
+    s = small.settings
     probe = copy.deepcopy(small.initial).float()  # importance in fp32
-    fisher = mvas.fisher_diagonal(probe, lm_loss, small.train[:p["importance_batches"]])
-    return mvas.importance_plan(dict(small.initial.named_parameters()), fisher, weight_bytes=p["weight_bytes"])
+    fisher = mvas.fisher_diagonal(probe, lm_loss, small.train[:s.importance_batches])
+    return mvas.importance_plan(dict(small.initial.named_parameters()), fisher, weight_bytes=s.weight_bytes)
 
 
-def mvas_config(params: Mapping[str, Any], dgr: bool) -> MacroConfig:
+def mvas_config(settings: MVASLlamaSettings, dgr: bool) -> MacroConfig:
     """MVAS (re-planned every ``replan_every`` steps), optionally DGR (sync, one group per layer), MVASAdamW at
     the run's LR without weight decay; the plan itself is passed to ``compose.apply``."""
-    return MacroConfig(optim=OptimConfig(lr=params["lr"], weight_decay=0.0),
-                       mvas=MVASConfig(replan_every=params["replan_every"]),
+    return MacroConfig(optim=OptimConfig(lr=settings.lr, weight_decay=0.0),
+                       mvas=MVASConfig(replan_every=settings.replan_every),
                        dgr=DGRConfig(group_size=1 if dgr else None))
 
 
@@ -171,8 +236,8 @@ class Training:
 
 def _baseline_stack(small: SmallLlama) -> compose.Stack:
     model = copy.deepcopy(small.initial)
-    lr = small.params["lr"]
-    if small.params["compute_dtype"] == "float32":
+    lr = small.settings.lr
+    if small.settings.compute_dtype == "float32":
         return compose.Stack(model, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0))
     return compose.Stack(model, model, MasterWeightAdamW(model.parameters(), lr=lr, weight_decay=0.0))
 
@@ -181,11 +246,11 @@ def train_variants(small: SmallLlama, plan: mvas.PrecisionPlan, run: Any = None)
     """Baseline, MVAS and MVAS + DGR from the same weights, trained in lock step on the same batches (progress
     bar); the MVAS schedules log their tier moves to ``run`` and every loss is logged per step. Then each
     variant's held-out loss and accuracy, median step time (warm-up of 5 steps left out) and state bytes."""
-    p, example = small.params, dict(input_ids=small.train[0][0], labels=small.train[0][1])
+    s, example = small.settings, dict(input_ids=small.train[0][0], labels=small.train[0][1])
     stacks = {small.baseline: _baseline_stack(small)}
     for name, dgr in (("MVAS", False), ("MVAS + DGR", True)):
-        stacks[name] = compose.apply(copy.deepcopy(small.initial), mvas_config(p, dgr), plan=plan,
-                                     example_inputs=example if dgr else None, seed=p["seed"], run=run)
+        stacks[name] = compose.apply(copy.deepcopy(small.initial), mvas_config(s, dgr), plan=plan,
+                                     example_inputs=example if dgr else None, seed=s.seed, run=run)
     logs = train_round_robin({n: (s.model, s.optimizer) for n, s in stacks.items()}, small.train,
                              after_step={n: (lambda step, loss, s=s: s.after_step()) for n, s in stacks.items()
                                          if s.schedule is not None},
@@ -194,16 +259,16 @@ def train_variants(small: SmallLlama, plan: mvas.PrecisionPlan, run: Any = None)
         for name, log in logs.items():
             for step, loss in enumerate(log.losses):
                 run.log(step=step, **{f"{name.replace(' ', '_').replace('+', 'and')}_loss": loss})
-    training = Training(small.baseline, small.n_params, p["steps"], stacks, logs)
-    for name, s in stacks.items():
-        ev = evaluate_lm(s.module, small.held_out)
+    training = Training(small.baseline, small.n_params, s.steps, stacks, logs)
+    for name, stack in stacks.items():
+        ev = evaluate_lm(stack.module, small.held_out)
 
-        def one_step(s: compose.Stack = s) -> None:
-            lm_loss(s.model, small.train[0]).backward()
-            s.optimizer.step()
-            s.optimizer.zero_grad(set_to_none=True)
+        def one_step(stack: compose.Stack = stack) -> None:
+            lm_loss(stack.model, small.train[0]).backward()
+            stack.optimizer.step()
+            stack.optimizer.zero_grad(set_to_none=True)
 
-        mem = measure_step(one_step, s.module, s.optimizer, *small.train[0])
+        mem = measure_step(one_step, stack.module, stack.optimizer, *small.train[0])
         state = {k: mem.max_by_category[k] for k in STATE_CATEGORIES}
         training.results[name] = dict(eval_loss=ev.loss, accuracy=ev.accuracy, step_s=logs[name].step_time(skip=5),
                                       state_bytes=sum(state.values()), **{f"{k}_bytes": v for k, v in state.items()})
@@ -285,28 +350,28 @@ def mvas_prepare(plan: mvas.PrecisionPlan, dgr: bool, seed: int) -> Callable[[to
     return prepare
 
 
-def measure_memory(params: Mapping[str, Any], plan: mvas.PrecisionPlan, model: str, *, dgr: bool = False,
+def measure_memory(settings: MVASLlamaSettings, plan: mvas.PrecisionPlan, model: str, *, dgr: bool = False,
                    check_full_depth: bool = False) -> BigMemory:
     """Baseline (``bf16_mixed``) and MVAS (+ DGR) bytes of one ``big_batch x big_seq_len`` step of ``model``,
     fake tensors, extrapolated from ``depths``; ``check_full_depth``: the baseline measured at full depth too
     (AssertionError if the extrapolation misses it by a byte)."""
-    p = params
+    s = settings
     spec = get_model_spec(model)
     n_layers = spec.shape.n_layers
 
     def measure(prepare=None, constant=()):
-        reports = {d: measure_training_step(spec.scaled(n_layers=d), p["big_batch"], p["big_seq_len"], BIG_PRECISION,
-                                            fake=True, device="cpu", prepare=prepare) for d in p["depths"]}
+        reports = {d: measure_training_step(spec.scaled(n_layers=d), s.big_batch, s.big_seq_len, BIG_PRECISION,
+                                            fake=True, device="cpu", prepare=prepare) for d in s.depths}
         return extrapolate_by_depth(reports, n_layers, constant=constant)
 
     baseline = measure()
     if check_full_depth:
-        full = training_bytes(measure_training_step(spec, p["big_batch"], p["big_seq_len"], BIG_PRECISION, fake=True,
+        full = training_bytes(measure_training_step(spec, s.big_batch, s.big_seq_len, BIG_PRECISION, fake=True,
                                                     device="cpu"))
         assert full == baseline, f"extrapolation {baseline} != full-depth measurement {full}"
     # with DGR the gradients are the largest group's: the same at every depth, not growing per layer
-    packed = measure(mvas_prepare(plan, dgr, p["seed"]), constant=("gradients",) if dgr else ())
-    return BigMemory(model, parameter_count(spec.shape), n_layers, p["big_batch"], p["big_seq_len"], baseline, packed,
+    packed = measure(mvas_prepare(plan, dgr, s.seed), constant=("gradients",) if dgr else ())
+    return BigMemory(model, parameter_count(spec.shape), n_layers, s.big_batch, s.big_seq_len, baseline, packed,
                      dgr, check_full_depth)
 
 
@@ -406,18 +471,18 @@ def plot_c1_memory(big: BigMemory) -> Figure:
 
 # ------------------------------------------------------------------------------------------ verdicts
 def _speed_basis(small: SmallLlama) -> str:
-    info = machine_info(small.params["device"])
+    info = machine_info(small.settings.device)
     return f"vs {small.baseline}, {info.get('gpu') or info['cpu_capability']}"
 
 
 def c7_texts(small: SmallLlama, training: Training, big: BigMemory, acc: Accountings) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C7").grade``."""
-    p, m = small.params, training.metrics
+    s, m = small.settings, training.metrics
     base, mv = training.results[training.baseline], training.results["MVAS"]
     scale = (f"memory: real {big.model} architecture ({big.n_params / 1e9:.1f}B params) under fake tensors, "
-             f"{BIG_PRECISION}, one {big.batch}x{big.seq_len} step; speed and accuracy: {p['layers']}-layer Llama "
-             f"({small.n_params / 1e6:.1f}M params), {p['steps']} steps on the {p['corpus']} byte corpus; "
-             f"{describe(machine_info(p['device']), p['compute_dtype'])}")
+             f"{BIG_PRECISION}, one {big.batch}x{big.seq_len} step; speed and accuracy: {s.layers}-layer Llama "
+             f"({small.n_params / 1e6:.1f}M params), {s.steps} steps on the {s.corpus} byte corpus; "
+             f"{describe(machine_info(s.device), s.compute_dtype)}")
     measured = (f"{sum(big.baseline.values()) / GB:.0f} -> {sum(big.mvas.values()) / GB:.0f} GB "
                 f"({-big.reduction:+.1%}); speed {m['speed_ratio']:.2f}x ({_speed_basis(small)}); next-token "
                 f"accuracy {base['accuracy']:.2%} -> {mv['accuracy']:.2%}")
@@ -425,19 +490,19 @@ def c7_texts(small: SmallLlama, training: Training, big: BigMemory, acc: Account
             f"activations; speed and accuracy baseline = {training.baseline}; "
             f"{'the' if acc.match else 'no'} accounting of the 65B model gives the post's 320 GB (closest: "
             f"'{acc.closest}', {acc.bytes[acc.closest] / GB:.0f} GB). MVAS moves {m['replan_moves']} tensors between "
-            f"tiers in {p['steps']} steps; eval loss {base['eval_loss']:.4f} -> {mv['eval_loss']:.4f}; the speed "
+            f"tiers in {s.steps} steps; eval loss {base['eval_loss']:.4f} -> {mv['eval_loss']:.4f}; the speed "
             f"ratio depends on the hardware (a baseline in emulated bf16 is slow, so MVAS looks faster beside it)")
     return {"scale": scale, "measured_text": measured, "note": note}
 
 
 def c1_texts(small: SmallLlama, training: Training, big: BigMemory) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C1").grade``."""
-    p = small.params
+    s = small.settings
     base, md = training.results[training.baseline], training.results["MVAS + DGR"]
     scale = (f"memory: {big.model} ({big.n_params / 1e9:.1f}B params) under fake tensors, {BIG_PRECISION}, one "
-             f"{big.batch}x{big.seq_len} step; quality: {p['layers']}-layer Llama ({small.n_params / 1e6:.1f}M "
-             f"params), {p['steps']} steps, baseline {training.baseline}; "
-             f"{describe(machine_info(p['device']), p['compute_dtype'])}")
+             f"{big.batch}x{big.seq_len} step; quality: {s.layers}-layer Llama ({small.n_params / 1e6:.1f}M "
+             f"params), {s.steps} steps, baseline {training.baseline}; "
+             f"{describe(machine_info(s.device), s.compute_dtype)}")
     measured = (f"{sum(big.baseline.values()) / GB:.0f} -> {sum(big.mvas.values()) / GB:.0f} GB "
                 f"({-big.reduction:+.1%}); next-token accuracy {base['accuracy']:.2%} -> {md['accuracy']:.2%}")
     note = (f"DGR frees gradients per layer ({big.baseline['gradients'] / GB:.1f} -> {big.mvas['gradients'] / GB:.1f} "

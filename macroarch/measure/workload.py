@@ -61,8 +61,14 @@ class Workload:
         return [torch.randint(0, vocab, (self.batch_size, self.seq_len), generator=generator) for _ in range(count)]
 
 
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=ids).loss
+def lm_loss(model: nn.Module, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The model's own causal-LM loss (transformers shifts the labels). ``batch`` is ``(input_ids, labels)``, or a
+    tensor of ids that are their own labels (the communication workloads' batches); it is moved to the device of
+    the model's first parameter. The project's one definition: the training loop, the experiments and the
+    measurements all call this one."""
+    input_ids, labels = (batch, batch) if isinstance(batch, torch.Tensor) else batch
+    device = next(model.parameters()).device
+    return model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -116,7 +116,7 @@ def test_the_bandwidth_limit_is_the_best_measured_so_no_share_exceeds_one(bench)
 
 def test_page_faults_of_a_step_are_counted(bench):
     """An optimizer whose step touches 256 fresh pages (an anonymous mmap: the kernel maps each page on its first
-    write) shows at least 256 faults a step; the table prints the mean."""
+    write) shows at least 256 faults a step, the in-place reference fewer; the table prints the mean."""
     import mmap
 
     class FreshPages(torch.optim.Optimizer):
@@ -130,7 +130,8 @@ def test_page_faults_of_a_step_are_counted(bench):
 
     chosen = {"fresh": bench.Setup("fp32", FreshPages), bench.REFERENCE: bench.setups()[bench.REFERENCE]}
     results = bench.run_size(2 * bench.ROW, 1, chosen, warmup=1, repeats=3)
-    assert results["fresh"]["page_faults_per_step"] >= 256
-    assert results[bench.REFERENCE]["page_faults_per_step"] >= 0
+    # The reference steps in place into the state its warm-up step allocated: no page of it is new, so whatever it
+    # faults (the allocator's own pages) stays below the 256 that the fresh optimizer cannot avoid.
+    assert results[bench.REFERENCE]["page_faults_per_step"] < 256 <= results["fresh"]["page_faults_per_step"]
     records = [dict(r, optimizer=name, threads=1) for name, r in results.items()]
     assert int(bench.table_rows(records, {})[0][-1]) >= 256

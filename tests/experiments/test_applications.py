@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from macroarch.experiments import applications as A
 from macroarch.measure.fit import Fit
 from macroarch.measure.memory import STATE_CATEGORIES, StepMemory
 from macroarch.repro.claims import CONTRADICTED, NOT_REPRODUCED, PARTIALLY, REPRODUCED, get_claim
+from macroarch.repro.notebook import resolve
 
 TOY_TRUNK = {"layers": 2, "width": 64, "crop": 16, "batch": 1}
 
@@ -25,8 +27,11 @@ def _plan(model):
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="unknown model 'alexnet'; known: esmfold_trunk, pointnet"):
         A.get_app("alexnet")
-    with pytest.raises(ValueError, match="unknown model 'c3d'"):
-        A.models({"video_models": ["c3d"]})
+    ci = A.ApplicationsSettings.from_params(resolve("10_applications", {"profile": "ci"}))
+    with pytest.raises(ValueError, match="video_models must be names from timesformer, videomae, got \\('c3d',\\)"):
+        dataclasses.replace(ci, video_models=("c3d",))
+    with pytest.raises(ValueError, match="fit_variants"):
+        dataclasses.replace(ci, fit_variants=("fp8",))
     model = A.build_model("esmfold_trunk", TOY_TRUNK)
     batch = A.random_batch("esmfold_trunk", TOY_TRUNK)
     with pytest.raises(ValueError, match="unknown variant 'fp8'"):
@@ -80,6 +85,11 @@ def _fits(name, sizes):
     return A.FitTable(name, fits, {v: {} for v in sizes})
 
 
+def _verdict(claim_id, metrics):
+    """The verdict as notebook 10 grades it: the harness's texts, the claim's grader."""
+    return get_claim(claim_id).grade(metrics, **A.verdict_texts(claim_id, metrics, scale="toy"))
+
+
 def test_c13_grading():
     claim = get_claim("C13")
     cases = {(10, 40): REPRODUCED, (4, 4): NOT_REPRODUCED, (4, 6): PARTIALLY, (4, 2): CONTRADICTED}
@@ -87,7 +97,7 @@ def test_c13_grading():
         fits = _fits("pointnet", {"baseline": {24: base, 80: base * 3}, "mvas_dgr": {24: stack, 80: stack * 3}})
         m = A.c13_metrics(fits)
         assert m["batch_growth_24gb"] == pytest.approx(stack / base)
-        assert A.verdict("C13", m, scale="toy").grade == grade
+        assert _verdict("C13", m).grade == grade
     mixed = A.c13_metrics(_fits("pointnet", {"baseline": {24: 10, 80: 10}, "mvas_dgr": {24: 40, 80: 11}}))
     assert claim.grade(mixed, scale="toy").grade == PARTIALLY
 
@@ -98,7 +108,7 @@ def test_c14_grading():
                 for m in ("timesformer", "videomae")]
         m = A.c14_metrics(*fits)
         assert m["max_frames"] == stack
-        return A.verdict("C14", m, scale="toy")
+        return _verdict("C14", m)
 
     v = grade(128, 64)
     assert v.grade == REPRODUCED and "baseline also" not in v.note
@@ -117,13 +127,13 @@ def test_c12_grading_and_text():
                                                         ("checkpoint_mvas_dgr", 20 * 10**9))})
     m = {**A.c12_metrics(table, 256), **table.metrics()}
     assert m["memory_reduction"] == pytest.approx(0.56) and m["stack_over_checkpoint_reduction_256"] == 0.6
-    v = A.verdict("C12", m, scale="toy")
+    v = _verdict("C12", m)
     assert v.grade == REPRODUCED and v.measured.startswith("100.0 GB -> 44.0 GB (-56%) at crop 256")
     assert "reduction by crop 256: 56%" in v.note and "checkpointing alone -50%" in v.note
     m["memory_reduction"] = 0.1
     assert get_claim("C12").grade(m, scale="toy").grade == PARTIALLY
     with pytest.raises(ValueError, match="C15"):
-        A.verdict("C15", m, scale="toy")
+        A.verdict_texts("C15", m, scale="toy")
 
 
 def test_small_runs_train_both_variants(isolated):

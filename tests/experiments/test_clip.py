@@ -163,8 +163,11 @@ def test_train_small_runs_both_variants_on_the_same_batches(tmp_path, monkeypatc
     monkeypatch.setenv("MACROARCH_DATA", str(tmp_path))
     data = clip.shapes_data(64, image_size=16)
     cfg = clip.small_clip_config(data.vocab_size, data.context_length, 16, 8, 32, 2, 1)
-    params = dict(compute_dtype="float32", device="cpu", steps=4, batch_size=16, warmup_steps=1, eval_every=2, seeds=1)
-    result = clip.train_small(data, cfg, load_config(clip.post_config_path()), params)
+    settings = clip.ClipSettings(memory_models=("small",), memory_batches=(16,), target_gb=0.01, n_train=64,
+                                 width=32, vision_layers=2, text_layers=1, batch_size=16, steps=4, warmup_steps=1,
+                                 eval_every=2, seeds=1, compute_dtype="float32", device="cpu", threads=1,
+                                 image_size=16)
+    result = clip.train_small(data, cfg, load_config(clip.post_config_path()), settings)
     base, post = result.logs[0, "fp32"].losses, result.logs[0, "post"].losses
     assert len(base) == len(post) == 4
     assert abs(base[0] - post[0]) < 0.05 * base[0]  # the same weights (post's packed) on the same first batch
@@ -182,3 +185,14 @@ def test_train_small_runs_both_variants_on_the_same_batches(tmp_path, monkeypatc
 def test_c15_grading(reduction, gap_lo, grade):
     m = {"memory_reduction": reduction, "retrieval_gap": gap_lo + 0.01, "retrieval_gap_lo": gap_lo}
     assert get_claim("C15").grade(m, scale="test").grade == grade
+
+
+def test_settings_name_the_field_that_is_wrong():
+    good = dict(memory_models=["small"], memory_batches=[16], target_gb=0.01, n_train=64, width=32, vision_layers=2,
+                text_layers=1, batch_size=16, steps=4, warmup_steps=1, eval_every=2, seeds=1,
+                compute_dtype="float32", device="cpu", threads=1)
+    assert clip.ClipSettings.from_params(good).memory_baselines == ("bf16_mixed", "fp32")
+    with pytest.raises(ValueError, match="patch_size"):
+        clip.ClipSettings.from_params(dict(good, patch_size=5))  # does not divide the 32 px image
+    with pytest.raises(ValueError, match="memory_baselines"):
+        clip.ClipSettings.from_params(dict(good, memory_baselines=["fp8"]))

@@ -7,29 +7,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from model_zoo import alphabet_batches, tiny_gpt
 from torch import nn
 
 from macroarch.experiments import convergence_recipe as cr
 from macroarch.experiments.loop import evaluate_lm
-from macroarch.models import get_model_spec
 from macroarch.optim import MasterWeightAdamW, warmup_cosine
-
-SPEC = get_model_spec("gpt3_tiny").scaled(n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, d_ff=64, dropout=0.0,
-                                          max_seq_len=16)
-
-
-def _batches(n, rows=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 64, (rows, 16), generator=g)  # a small alphabet: the loss falls quickly
-        out.append((ids, ids.clone()))
-    return out
-
-
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return SPEC.build(dtype=dtype)
 
 
 class Scripted(nn.Module):
@@ -64,13 +47,15 @@ def test_spike_triggers_count_a_scripted_stream_exactly():
     # 20 calm steps, a 30% spike, a 10% bump (below 15% of a mean the spike raised), a 25% spike, then NaN.
     stream = [1.0] * 20 + [1.3] + [1.0] * 10 + [1.1] + [1.0] * 5 + [1.25] + [float("nan")] + [1.0] * 3
     assert _expected_triggers(stream, 0.15, 20) == 3
-    r = cr.recipe_run(Scripted(stream), _batches(len(stream), rows=1), _batches(1, rows=1), stack="plain",
-                      base_lr=1e-3, lr_multiplier=1.0, warmup_steps=0, warmup_extension=0.0, spike_threshold=0.15)
+    r = cr.recipe_run(Scripted(stream), alphabet_batches(len(stream), rows=1), alphabet_batches(1, rows=1),
+                      stack="plain", base_lr=1e-3, lr_multiplier=1.0, warmup_steps=0, warmup_extension=0.0,
+                      spike_threshold=0.15)
     assert r.metrics["spike_triggers"] == 3  # at observations 20, 37 and the NaN at 38
     assert r.diverged_at == 38 and len(r.losses) == 38 and math.isnan(r.eval_loss)
     # A higher threshold: the 25% spike no longer counts.
-    r = cr.recipe_run(Scripted(stream), _batches(len(stream), rows=1), _batches(1, rows=1), stack="plain",
-                      base_lr=1e-3, lr_multiplier=1.0, warmup_steps=0, warmup_extension=0.0, spike_threshold=0.28)
+    r = cr.recipe_run(Scripted(stream), alphabet_batches(len(stream), rows=1), alphabet_batches(1, rows=1),
+                      stack="plain", base_lr=1e-3, lr_multiplier=1.0, warmup_steps=0, warmup_extension=0.0,
+                      spike_threshold=0.28)
     assert r.metrics["spike_triggers"] == _expected_triggers(stream, 0.28, 20) == 2
     # The plain stack's guard is detached: it reports the factor it would set, the LR applied is the schedule's.
     schedule = warmup_cosine(0, len(stream), 0.1)
@@ -80,46 +65,47 @@ def test_spike_triggers_count_a_scripted_stream_exactly():
 
 def test_recipe_macro_stack_tracks_plain_adamw_and_its_guard_lowers_the_lr():
     # DGR-sync is plain training reordered, and AdamW ignores a constant gradient scale (up to eps): the same run.
-    train, held_out = _batches(8), _batches(1, seed=1)
+    train, held_out = alphabet_batches(8), alphabet_batches(1, seed=1)
     kwargs = dict(base_lr=1e-2, lr_multiplier=1.2, warmup_steps=2, warmup_extension=0.3)
-    plain = cr.recipe_run(_model(), train, held_out, stack="plain", **kwargs)
-    macro = cr.recipe_run(_model(), train, held_out, stack="macro", **kwargs)
+    plain = cr.recipe_run(tiny_gpt(), train, held_out, stack="plain", **kwargs)
+    macro = cr.recipe_run(tiny_gpt(), train, held_out, stack="macro", **kwargs)
     assert macro.losses == pytest.approx(plain.losses, rel=1e-3)
     assert plain.series["lr"][2] == pytest.approx(1.2e-2)  # warmup of ceil(2 * 1.3) = 3 steps ends at index 2
-    # With a threshold every rise crosses, the attached guard halves the LR it applies.
-    jumpy = cr.recipe_run(_model(), train, held_out, stack="macro", spike_threshold=1e-9, guard_window=1, **kwargs)
-    if jumpy.metrics["spike_triggers"]:
-        assert jumpy.metrics["min_lr_factor"] <= 0.5
-        assert min(a / b for a, b in zip(jumpy.series["lr"], plain.series["lr"])) <= 0.5 + 1e-6
+    # A batch of tokens the model has never been trained to predict, after four it has: its loss rises over the
+    # last one, so the attached guard (window 1: any rise triggers) fires there and halves the LR it applies,
+    # against the schedule's LR that the plain stack's detached guard leaves alone.
+    unseen = [(ids + 192, labels + 192) for ids, labels in alphabet_batches(1, seed=2)]  # tokens 192-255, never targets
+    spiky = train[:4] + unseen + train[4:]
+    jumpy = cr.recipe_run(tiny_gpt(), spiky, held_out, stack="macro", spike_threshold=1e-9, guard_window=1, **kwargs)
+    schedule = cr.recipe_run(tiny_gpt(), spiky, held_out, stack="plain", **kwargs).series["lr"]
+    assert jumpy.metrics["spike_triggers"] >= 1
+    assert jumpy.metrics["min_lr_factor"] <= 0.5
+    assert min(a / b for a, b in zip(jumpy.series["lr"][4:], schedule[4:])) <= 0.5 + 1e-6
 
 
 def test_unknown_stack_is_rejected():
     with pytest.raises(ValueError, match="stack"):
-        cr.recipe_run(_model(), _batches(1), _batches(1), stack="deepspeed", base_lr=1e-3, lr_multiplier=1.0,
-                      warmup_steps=0, warmup_extension=0.0)
+        cr.recipe_run(tiny_gpt(), alphabet_batches(1), alphabet_batches(1), stack="deepspeed", base_lr=1e-3,
+                      lr_multiplier=1.0, warmup_steps=0, warmup_extension=0.0)
 
 
 def test_bf16_compute_gives_plain_adamw_an_fp32_master():
-    setup = cr.plain_stack(_model(torch.bfloat16), _batches(1)[0], 1e-3)
+    setup = cr.plain_stack(tiny_gpt(torch.bfloat16), alphabet_batches(1)[0], 1e-3)
     assert isinstance(setup.optimizer, MasterWeightAdamW)
-    assert type(cr.plain_stack(_model(), _batches(1)[0], 1e-3).optimizer) is torch.optim.AdamW
+    assert type(cr.plain_stack(tiny_gpt(), alphabet_batches(1)[0], 1e-3).optimizer) is torch.optim.AdamW
 
 
 def test_mvas_stack_is_composed_packs_the_weights_and_learns():
     from macroarch.dgr import DGRWrapper
 
-    spec = get_model_spec("gpt3_tiny").scaled(n_layers=2, d_model=64, n_heads=2, n_kv_heads=2, d_ff=128,
-                                              dropout=0.0, max_seq_len=16)  # 64 x 64 and larger: MVAS manages them
-    torch.manual_seed(0)
-    model = spec.build()
-    train, held_out = _batches(12), _batches(1, seed=1)
+    model = tiny_gpt(d_model=64, d_ff=128)  # 64 x 64 and larger: MVAS manages them
+    train, held_out = alphabet_batches(12), alphabet_batches(1, seed=1)
     before = evaluate_lm(model, held_out).loss
     setup = cr.mvas_stack(model, train[0], 1e-2)
     assert isinstance(setup.module, DGRWrapper) and setup.guard is None
     # A quarter of the packable bytes; the small tensors (norms, biases) stay: most of the model shrinks 4x.
     assert setup.store.plan.reduction() == pytest.approx(0.75, abs=0.05)
-    torch.manual_seed(0)
-    model = spec.build()
+    model = tiny_gpt(d_model=64, d_ff=128)
     result = cr.recipe_run(model, train, held_out, stack="mvas", base_lr=1e-2, lr_multiplier=1.0, warmup_steps=2,
                            warmup_extension=0.0)
     assert result.eval_loss < before
@@ -151,8 +137,10 @@ def _synthetic_sweep(centers, seeds=3, diverge=()):
     """A sweep whose held-out loss is an exact parabola in log LR, centred per (stack, warmup), plus a per-seed
     offset (which cancels in every paired difference and in the medians' argmin)."""
     mults, warms = [0.5, 1.0, 1.2, 1.35, 1.5, 2.0], [1.0, 1.3]
-    params = dict(lr_multipliers=mults, warmup_factors=warms, stacks=["plain", "macro"])
-    sw = cr.Sweep(params, list(range(seeds)), 1000, initial_loss=9.0)
+    settings = cr.RecipeSettings(seeds=seeds, n_layers=2, width=32, n_heads=2, seq_len=16, batch_size=8, steps=10,
+                                 base_lr=1e-2, warmup_steps=1, lr_multipliers=tuple(mults), eval_batches=1,
+                                 device="cpu", threads=1, warmup_factors=tuple(warms), stacks=("plain", "macro"))
+    sw = cr.Sweep(settings, list(range(seeds)), 1000, initial_loss=9.0)
     for (stack, warm), c in centers.items():
         for m in mults:
             for s in range(seeds):
@@ -198,3 +186,15 @@ def test_sweep_rows_hold_every_run_once():
     assert [(r["stack"], r["lr_multiplier"], r["warmup_factor"], r["seed"]) for r in diverged] == [
         ("macro", 2.0, 1.3, 1)]
     assert all(r["spike_triggers"] == (2 if r["stack"] == "macro" and r["seed"] == 0 else 0) for r in rows)
+
+
+def test_settings_name_the_field_that_is_wrong():
+    good = dict(seeds=1, n_layers=2, width=32, n_heads=2, seq_len=16, batch_size=8, steps=10, base_lr=1e-2,
+                warmup_steps=1, lr_multipliers=[1.0], eval_batches=1, device="cpu", threads=1)
+    assert cr.RecipeSettings.from_params(dict(good, profile="ci")).lr_multipliers == (1.0,)
+    with pytest.raises(ValueError, match="stacks"):
+        cr.RecipeSettings.from_params(dict(good, stacks=["plain", "deepspeed"]))
+    with pytest.raises(ValueError, match="'base_lrs'"):
+        cr.RecipeSettings.from_params(dict(good, base_lrs=[1e-2]))  # a key no setting has
+    with pytest.raises(ValueError, match="'steps'"):
+        cr.RecipeSettings.from_params({k: v for k, v in good.items() if k != "steps"})

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 
 from macroarch.experiments import dgr_variance as dv
 from macroarch.measure.gradients import minibatch_gradient_variance
+from macroarch.measure.workload import lm_loss
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +61,7 @@ def test_plain_run_is_adamw_written_out_and_measured_where_asked(setup, comparis
     run = comparison.runs["plain"]
     assert run.losses == losses
     assert [h.step for h in run.history] == [0, 2, 4]
-    final = minibatch_gradient_variance(reference, dv.lm_loss, setup.held_out)
+    final = minibatch_gradient_variance(reference, lm_loss, setup.held_out)
     # the same weights (checked bitwise below); the trace is a difference of sums, so its last digits follow the
     # kernels' summation order (thread count, oneDNN algorithm)
     assert run.history[-1].trace == pytest.approx(final.trace, rel=1e-6)

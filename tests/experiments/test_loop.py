@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from macroarch.experiments.loop import evaluate_lm, lm_loss, train_lm, train_round_robin
+from macroarch.experiments.loop import evaluate_lm, train_lm, train_round_robin
+from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 
 

@@ -1,47 +1,31 @@
 """Notebook 06's harness (C8): the runs on a toy model, their controls, the sizes on a CPU that emulates bf16,
 and the statistics on synthetic sweeps whose answer is known."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
+from model_zoo import alphabet_batches, tiny_gpt
 
 from macroarch.experiments import mixed_precision as mp
-from macroarch.models import get_model_spec
-
-SPEC = get_model_spec("gpt3_tiny").scaled(n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, d_ff=64, dropout=0.0,
-                                          max_seq_len=16)
-
-
-def _batches(n, rows=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, 64, (rows, 16), generator=g)  # a small alphabet: the loss falls quickly
-        out.append((ids, ids.clone()))
-    return out
-
-
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return SPEC.build(dtype=dtype)
 
 
 def test_accumulation_counts_see_the_same_tokens_per_update():
     # In fp32 the mean of k micro-batch gradients is the full-batch gradient up to rounding: the trajectories agree.
-    train, held_out = _batches(6), _batches(2, seed=1)
-    a = mp.accumulation_run(_model(), train, held_out, lr=1e-2, accumulation_steps=1, master_weights=False)
-    b = mp.accumulation_run(_model(), train, held_out, lr=1e-2, accumulation_steps=4, master_weights=False)
+    train, held_out = alphabet_batches(6), alphabet_batches(2, seed=1)
+    a = mp.accumulation_run(tiny_gpt(), train, held_out, lr=1e-2, accumulation_steps=1, master_weights=False)
+    b = mp.accumulation_run(tiny_gpt(), train, held_out, lr=1e-2, accumulation_steps=4, master_weights=False)
     assert a.losses == pytest.approx(b.losses, rel=1e-4) and a.eval_loss == pytest.approx(b.eval_loss, rel=1e-4)
     assert a.losses[-1] < a.losses[0] and not a.diverged and len(a.losses) == 6
 
 
 def test_accumulation_run_counts_lost_updates_in_bf16():
-    train, held_out = _batches(4), _batches(1, seed=1)
-    off = mp.accumulation_run(_model(torch.bfloat16), train, held_out, lr=1e-3, accumulation_steps=2,
+    train, held_out = alphabet_batches(4), alphabet_batches(1, seed=1)
+    off = mp.accumulation_run(tiny_gpt(torch.bfloat16), train, held_out, lr=1e-3, accumulation_steps=2,
                               master_weights=False)
-    on = mp.accumulation_run(_model(torch.bfloat16), train, held_out, lr=1e-3, accumulation_steps=2,
+    on = mp.accumulation_run(tiny_gpt(torch.bfloat16), train, held_out, lr=1e-3, accumulation_steps=2,
                              master_weights=True)
     assert off.metrics["lost_update_fraction"] > 0.01  # LayerNorm gains at 1.0 cannot move by 1e-3 in bf16
     assert on.metrics["lost_update_fraction"] < 1e-3 and on.metrics["master_copies"] > 0
@@ -49,8 +33,8 @@ def test_accumulation_run_counts_lost_updates_in_bf16():
 
 
 def test_a_non_finite_loss_stops_the_run_where_it_happened():
-    model = _model()
-    train = _batches(5)
+    model = tiny_gpt()
+    train = alphabet_batches(5)
     calls = []
 
     def poison(step, loss):  # after the third update, the weights turn NaN
@@ -59,14 +43,15 @@ def test_a_non_finite_loss_stops_the_run_where_it_happened():
             with torch.no_grad():
                 next(model.parameters()).fill_(float("nan"))
 
-    r = mp.accumulation_run(model, train, _batches(1, seed=1), lr=1e-3, accumulation_steps=1, master_weights=False,
-                            on_update=poison)
+    r = mp.accumulation_run(model, train, alphabet_batches(1, seed=1), lr=1e-3, accumulation_steps=1,
+                            master_weights=False, on_update=poison)
     assert r.diverged_at == 3 and len(r.losses) == 3 and calls == [0, 1, 2] and math.isnan(r.eval_loss)
 
 
 @pytest.mark.parametrize("method", mp.SCALING_METHODS)
 def test_loss_scaling_runs_probe_underflow(method):
-    result = mp.loss_scaling_run(_model(), _batches(3), _batches(1, seed=1), method=method, lr=1e-3, probe_every=2)
+    result = mp.loss_scaling_run(tiny_gpt(), alphabet_batches(3), alphabet_batches(1, seed=1), method=method,
+                                 lr=1e-3, probe_every=2)
     assert result.metrics["probes"] == 2 and 0.0 <= result.metrics["underflow_fraction"] <= 1.0
     assert math.isfinite(result.eval_loss) and len(result.series["scale"]) == 3
     assert result.series["scale"][0] == {"none": 1.0, "gradscaler": 65536.0, "norm_rule": 32.0}[method]
@@ -74,31 +59,42 @@ def test_loss_scaling_runs_probe_underflow(method):
 
 def test_unknown_names_are_rejected():
     with pytest.raises(ValueError, match="method"):
-        mp.loss_scaling_run(_model(), _batches(1), _batches(1), method="fp8", lr=1e-3)
+        mp.loss_scaling_run(tiny_gpt(), alphabet_batches(1), alphabet_batches(1), method="fp8", lr=1e-3)
     with pytest.raises(ValueError, match="accumulation_steps"):
-        mp.accumulation_run(_model(), _batches(1, rows=6), _batches(1), lr=1e-3, accumulation_steps=4,
+        mp.accumulation_run(tiny_gpt(), alphabet_batches(1, rows=6), alphabet_batches(1), lr=1e-3, accumulation_steps=4,
                             master_weights=False)
 
 
+SETTINGS = mp.MixedPrecisionSettings(n_layers=2, width=32, n_heads=2, seq_len=32, batch_size=8, steps=200,
+                                     accumulation=(1, 2, 4, 8), scaling_steps=150, emulated_steps=60, probe_every=3,
+                                     eval_batches=2, device="cpu", threads=1)
+
+
 def test_runs_shrink_only_where_bf16_is_emulated():
-    params = dict(device="cpu", steps=200, scaling_steps=150, emulated_steps=60)
+    settings = SETTINGS
     info = dict(cpu_model="x", cpu_capability="AVX2", native_bf16=False)
-    emulated = mp.run_sizes(params, info)
+    emulated = mp.run_sizes(settings, info)
     assert (emulated.steps, emulated.scaling_steps, emulated.emulated) == (60, 60, True)
     assert emulated.config() == {"steps_run": 60, "scaling_steps_run": 60, "bf16_emulated": True}
     assert emulated.shrunk and "shrunk to 60" in emulated.describe() and "AVX2" in emulated.describe()
-    native = mp.run_sizes(params, dict(info, cpu_capability="AVX512", native_bf16=True))
+    native = mp.run_sizes(settings, dict(info, cpu_capability="AVX512", native_bf16=True))
     assert (native.steps, native.scaling_steps, native.emulated) == (200, 150, False)
-    gpu = mp.run_sizes(dict(params, device="cuda"), info)  # a GPU's bf16 is not the CPU's question
+    gpu = mp.run_sizes(dataclasses.replace(settings, device="cuda"), info)  # a GPU's bf16 is not the CPU's question
     assert (gpu.steps, gpu.scaling_steps, gpu.emulated) == (200, 150, False)
-    small = mp.run_sizes(dict(params, steps=6, scaling_steps=6), info)  # never grows
+    small = mp.run_sizes(dataclasses.replace(settings, steps=6, scaling_steps=6), info)  # never grows
     assert (small.steps, small.scaling_steps, small.shrunk) == (6, 6, False)
     assert not native.shrunk and "the profile's sizes" in native.describe()
 
 
+def test_settings_name_the_field_that_is_wrong():
+    with pytest.raises(ValueError, match="accumulation"):
+        dataclasses.replace(SETTINGS, accumulation=(1, 3))  # 3 does not divide the batch of 8
+    with pytest.raises(ValueError, match="dtypes"):
+        dataclasses.replace(SETTINGS, dtypes=("fp8",))
+
+
 def _setup(initial_loss=6.0):
-    params = dict(dtypes=["bf16", "fp16"], accumulation=[1, 2, 4, 8])
-    return mp.Setup(params, mp.Sizes(10, 10, False, "test", (10, 10)), None, [], [], 1000, initial_loss)
+    return mp.Setup(SETTINGS, mp.Sizes(10, 10, False, "test", (10, 10)), None, [], [], 1000, initial_loss)
 
 
 def _result(loss, diverged=False, lost=0.1):

@@ -3,6 +3,7 @@ does, the fair baseline follows the compute dtype, full-size memory on a tiny st
 C7 figure's labels."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -15,20 +16,21 @@ from macroarch.measure.memory import parameter_count
 from macroarch.models import get_model_spec
 from macroarch.optim import MasterWeightAdamW
 
-PARAMS = dict(seed=0, layers=2, width=64, heads=2, seq_len=16, batch_size=2, steps=6, lr=2e-3, importance_batches=2,
-              weight_bytes=0.9, replan_every=2, n_eval_batches=1, compute_dtype="bfloat16", device="cpu", threads=1,
-              corpus="stdlib", big_batch=1, big_seq_len=32, depths=[1, 2, 3])
+SETTINGS = ml.MVASLlamaSettings(layers=2, width=64, heads=2, seq_len=16, batch_size=2, steps=6, lr=2e-3,
+                                importance_batches=2, weight_bytes=0.9, replan_every=2, n_eval_batches=1,
+                                compute_dtype="bfloat16", device="cpu", big_model="llama_65b_tiny",
+                                c1_model="llama_10b_tiny", big_seq_len=32)
 
 
 def _small(**overrides):
-    p = dict(PARAMS, **overrides)
-    spec = get_model_spec("llama_65b_tiny").scaled(n_layers=p["layers"], d_model=p["width"], n_heads=p["heads"],
-                                                    n_kv_heads=p["heads"], d_ff=160, max_seq_len=p["seq_len"])
+    s = dataclasses.replace(SETTINGS, **overrides)
+    spec = get_model_spec("llama_65b_tiny").scaled(n_layers=s.layers, d_model=s.width, n_heads=s.heads,
+                                                    n_kv_heads=s.heads, d_ff=160, max_seq_len=s.seq_len)
     torch.manual_seed(0)
-    initial = spec.build().to(dtype=getattr(torch, p["compute_dtype"]))
+    initial = spec.build().to(dtype=getattr(torch, s.compute_dtype))
     g = torch.Generator().manual_seed(0)
-    batches = [(ids, ids.clone()) for ids in (torch.randint(0, 256, (2, 16), generator=g) for _ in range(p["steps"]))]
-    return ml.SmallLlama(p, initial, batches, batches[:1])
+    batches = [(ids, ids.clone()) for ids in (torch.randint(0, 256, (2, 16), generator=g) for _ in range(s.steps))]
+    return ml.SmallLlama(s, initial, batches, batches[:1])
 
 
 def test_composed_variants_train_exactly_as_the_hand_built_stack():
@@ -73,8 +75,8 @@ def test_fp32_compute_gives_the_fp32_adamw_baseline():
 def test_full_size_memory_on_a_tiny_stand_in():
     small = _small(steps=2)
     plan = ml.first_plan(small)
-    params = dict(PARAMS, depths=[1, 2, 3], big_seq_len=16)
-    big = ml.measure_memory(params, plan, "llama_65b_tiny", dgr=True, check_full_depth=True)  # asserts the fit
+    settings = dataclasses.replace(SETTINGS, depths=(1, 2, 3), big_seq_len=16)
+    big = ml.measure_memory(settings, plan, "llama_65b_tiny", dgr=True, check_full_depth=True)  # asserts the fit
     assert big.reduction > 0.3 and big.variant == "MVAS + DGR" and set(big.baseline) == set(ml.MEMORY_CATEGORIES)
     # DGR holds one group's gradients at a time: one of the two layers' (the embeddings and head count too).
     assert big.mvas["gradients"] < big.baseline["gradients"]
@@ -118,3 +120,12 @@ def test_the_c7_figure_labels_stand_clear_of_each_other_and_of_their_lines():
 @pytest.mark.parametrize("dtype, name", [("float32", "AdamW fp32"), ("bfloat16", "AdamW bf16 + fp32 master")])
 def test_baseline_is_named_by_the_compute_dtype(dtype, name):
     assert ml.baseline_name(dtype) == name
+
+
+def test_settings_name_the_field_that_is_wrong():
+    with pytest.raises(ValueError, match="heads"):
+        dataclasses.replace(SETTINGS, heads=3)  # does not divide width 64
+    with pytest.raises(ValueError, match="importance_batches"):
+        dataclasses.replace(SETTINGS, importance_batches=7)  # more than the 6 training batches
+    with pytest.raises(ValueError, match="depths"):
+        dataclasses.replace(SETTINGS, depths=(2,))  # one depth cannot be extrapolated

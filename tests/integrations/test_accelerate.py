@@ -5,30 +5,27 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from model_zoo import even_ids, tiny_llama
 
 from macroarch import mvas
 from macroarch.dgr import DGRWrapper
-from macroarch.models import get_model_spec
 
 STEPS, ACCUMULATION = 8, 2
 
 
 def _batches():
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 16, (STEPS * ACCUMULATION * 2, 16), generator=g) * 2
+    ids = even_ids(STEPS * ACCUMULATION * 2)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2)
 
 
 def _run(variant, rounding="stochastic"):
     set_seed(0)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
-    model = get_model_spec("llama_65b_tiny").scaled(n_layers=2).build()
+    model = tiny_llama(managed=variant != "dense")
     example = next(iter(_batches()))[0]
     if variant == "dense":
         net, opt = model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        mvas.apply(model, mvas.plan_from_rules(model, [("*mlp*", "fp4"), ("*", "fp8")], block_size=32,
-                                               min_numel=1024))
         if variant == "mvas":
             net, opt = model, mvas.MVASAdamW(model.parameters(), lr=1e-2, seed=0, rounding=rounding)
         else:  # DGR's accumulation is the accelerator's

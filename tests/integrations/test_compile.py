@@ -7,19 +7,17 @@ inductor compiles too) without spending minutes generating C++ on a shared CPU."
 import time
 
 import torch
+from model_zoo import even_ids, tiny_llama
 from torch._dynamo.backends.registry import lookup_backend
 
 from macroarch import mvas
-from macroarch.models import get_model_spec
 
-IDS = torch.randint(0, 16, (4, 16), generator=torch.Generator().manual_seed(0)) * 2
+IDS = even_ids(4)
 
 
 def _model(managed):
-    torch.manual_seed(0)
-    model = get_model_spec("llama_65b_tiny").scaled(n_layers=2).build()
+    model = tiny_llama(managed)
     if managed:
-        mvas.apply(model, mvas.plan_from_rules(model, [("*mlp*", "fp4"), ("*", "fp8")], block_size=32, min_numel=1024))
         return model, mvas.MVASAdamW(model.parameters(), lr=1e-2, seed=0)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 

@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
+from model_zoo import even_ids, tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from macroarch import mvas
 from macroarch.dgr import DGRWrapper
 from macroarch.integrations import MacroTrainer, from_pretrained, save_pretrained
-from macroarch.models import get_model_spec
 from macroarch.optim import CompensatedAdamW, LossSpikeGuard
 
 
@@ -18,21 +18,13 @@ class Tokens(torch.utils.data.Dataset):
     """Token windows with structure to learn (every id even, below 32)."""
 
     def __init__(self, n=32, length=16):
-        self.ids = torch.randint(0, 16, (n, length), generator=torch.Generator().manual_seed(0)) * 2
+        self.ids = even_ids(n, length)
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def _model(managed=False):
-    torch.manual_seed(0)
-    model = get_model_spec("llama_65b_tiny").scaled(n_layers=2).build()
-    if managed:
-        mvas.apply(model, mvas.plan_from_rules(model, [("*mlp*", "fp4"), ("*", "fp8")], block_size=32, min_numel=1024))
-    return model
 
 
 def _args(tmp_path, **overrides):
@@ -55,19 +47,19 @@ def _train(model, tmp_path, trainer_cls=Trainer, **kwargs):
 
 def test_mvas_default_optimizer_raises_and_mvas_adamw_trains_like_the_dense_model(tmp_path):
     with pytest.raises(TypeError, match="MVASAdamW"):
-        _train(_model(managed=True), tmp_path)
-    dense = _losses(_train(_model(), tmp_path))
+        _train(tiny_llama(managed=True), tmp_path)
+    dense = _losses(_train(tiny_llama(), tmp_path))
     for kwargs in (lambda m: dict(optimizers=(mvas.MVASAdamW(m.parameters(), lr=1e-2, seed=0), None)),
                    lambda m: dict(optimizer_cls_and_kwargs=(mvas.MVASAdamW, dict(lr=1e-2, seed=0)),
                                   args=_args(tmp_path, activation_checkpointing=True))):  # HF's checkpointing
-        model = _model(managed=True)
+        model = tiny_llama(managed=True)
         losses = _losses(_train(model, tmp_path, **kwargs(model)))
         assert losses[-1] < losses[0] - 1.0
         assert losses[0] - losses[-1] > 0.7 * (dense[0] - dense[-1])  # learns about as the dense model does
 
 
 def test_save_model_writes_dense_weights_that_from_pretrained_loads_as_the_same_model(tmp_path):
-    model = _model(managed=True)
+    model = tiny_llama(managed=True)
     trainer = _train(model, tmp_path, optimizers=(mvas.MVASAdamW(model.parameters(), lr=1e-2, seed=0), None))
     trainer.save_model(str(tmp_path / "dense"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", attn_implementation="eager")
@@ -88,8 +80,8 @@ def test_save_model_writes_dense_weights_that_from_pretrained_loads_as_the_same_
 
 def test_dgr_under_macro_trainer_is_plain_training_with_the_real_grad_norm(tmp_path):
     args = _args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=1e6)
-    plain = _train(_model(), tmp_path, args=args)
-    model = _model()
+    plain = _train(tiny_llama(), tmp_path, args=args)
+    model = tiny_llama()
     ids = Tokens()[0]["input_ids"][None]
     wrapper = DGRWrapper(model, group_size=1, example_inputs=dict(input_ids=ids, labels=ids))
     dgr = _train(wrapper, tmp_path, MacroTrainer, args=args)
@@ -101,7 +93,7 @@ def test_dgr_under_macro_trainer_is_plain_training_with_the_real_grad_norm(tmp_p
     dgr.save_model(str(tmp_path / "wrapped"))  # the wrapped model, under its own names
     assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "wrapped").lm_head.weight, model.lm_head.weight)
 
-    model = _model()  # or the model itself, with the DGR optimizer given
+    model = tiny_llama()  # or the model itself, with the DGR optimizer given
     wrapper = DGRWrapper(model, group_size=1, example_inputs=dict(input_ids=ids, labels=ids))
     inner = _train(model, tmp_path, MacroTrainer, args=args,
                    optimizers=(wrapper.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.0), None))
@@ -110,7 +102,7 @@ def test_dgr_under_macro_trainer_is_plain_training_with_the_real_grad_norm(tmp_p
 
 def test_dgr_clips_each_group_to_max_grad_norm(tmp_path):
     lr, max_norm = 0.5, 1e-2
-    model = _model()
+    model = tiny_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     wrapper = DGRWrapper(model, group_size=1, loss_fn=lambda m: m(**Tokens()[0:2]).loss)
     _train(wrapper, tmp_path, MacroTrainer, optimizer_cls_and_kwargs=(torch.optim.SGD, dict(lr=lr)),
@@ -122,7 +114,7 @@ def test_dgr_clips_each_group_to_max_grad_norm(tmp_path):
 
 
 def test_plain_trainer_accepts_a_dgr_wrapper(tmp_path):
-    model = _model()
+    model = tiny_llama()
     ids = Tokens()[0]["input_ids"][None]
     wrapper = DGRWrapper(model, group_size=1, example_inputs=dict(input_ids=ids, labels=ids))
     assert wrapper.config is model.config and wrapper.pipeline_config.mode == "sync"
@@ -143,21 +135,22 @@ class _InfAt(TrainerCallback):
 
 def test_compensated_adamw_scale_guard_and_skipped_steps_under_macro_trainer(tmp_path):
     args = _args(tmp_path, max_grad_norm=0.5)
-    plain = _train(_model(), tmp_path, args=args)
-    model = _model()
+    plain = _train(tiny_llama(), tmp_path, args=args)
+    model = tiny_llama()
     opt = CompensatedAdamW(model.parameters(), lr=1e-2, grad_scale="norm", spike_guard=LossSpikeGuard(threshold=10))
     with pytest.raises(RuntimeError, match="no loss was scaled"):  # a plain Trainer never scales the loss
-        _train(_model(), tmp_path, optimizers=(CompensatedAdamW(_model().parameters(), grad_scale="norm"), None))
+        _train(tiny_llama(), tmp_path,
+               optimizers=(CompensatedAdamW(tiny_llama().parameters(), grad_scale="norm"), None))
     trainer = _train(model, tmp_path, MacroTrainer, args=args, optimizers=(opt, None))
     assert _losses(trainer, "grad_norm")[0] == pytest.approx(_losses(plain, "grad_norm")[0], rel=1e-4)  # unscaled
     assert opt.spike_guard.observations == 8 and opt.stats["updates"] == 8
     assert _losses(trainer)[-1] < _losses(trainer)[0] - 1.0
 
-    model = _model()
+    model = tiny_llama()
     opt = CompensatedAdamW(model.parameters(), lr=1e-2)
     trainer = _train(model, tmp_path, MacroTrainer, args=args, optimizers=(opt, None), callbacks=[_InfAt(model, 3)])
     assert opt.stats["skipped_nonfinite"] == 1 and trainer.lr_scheduler.last_epoch == 7  # one step held back
     with pytest.raises(ValueError, match="Trainer accumulates gradients itself"):
-        model = _model()
+        model = tiny_llama()
         _train(model, tmp_path, MacroTrainer, optimizers=(CompensatedAdamW(model.parameters(), accumulation_steps=4),
                                                           None))
