@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -95,6 +96,8 @@ def _check_value(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML's .nan / .inf: no setting here means anything with them
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
@@ -132,7 +135,7 @@ def _fail(where: str, message: str) -> None:
 
 
 def _check_format(name: str, where: str) -> None:
-    from macroarch.mvas.formats import get_format  # torch: imported when a config is checked, not by the CLI
+    from macroarch.mvas.codecs.formats import get_format  # torch: imported when a config is checked, not by the CLI
 
     try:
         get_format(name)
@@ -227,7 +230,7 @@ class DGRConfig:
             _fail("dgr.mode", f"{self.mode!r} is not a DGR mode; use sync or interleaved")
         if self.accumulation_steps < 1:
             _fail("dgr.accumulation_steps", f"{self.accumulation_steps} must be >= 1")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             _fail("dgr.max_grad_norm", f"{self.max_grad_norm} must be > 0 (or null)")
 
     @property
@@ -261,8 +264,10 @@ class OptimConfig:
         _check_policy(self.precision_policy, "optim.precision_policy")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             _fail("optim.betas", f"{list(self.betas)} must be two values in [0, 1)")
-        if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            _fail("optim", "lr, eps and weight_decay must be >= 0")
+        for name in ("lr", "eps", "weight_decay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):  # NaN compares false: checked as not finite
+                _fail(f"optim.{name}", f"{value} must be a finite number >= 0")
 
 
 @dataclass(frozen=True)

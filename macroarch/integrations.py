@@ -11,7 +11,9 @@ What needs nothing from here:
   dir, packed=True)`` here writes the packed form, which only ``from_pretrained`` here reads.
 - **accelerate**: ``accelerator.prepare(model, optimizer, ...)`` and ``accelerator.accumulate(model)`` work with
   MVAS models and ``MVASAdamW``, and with ``DGRWrapper`` built with ``accumulation_steps`` equal to the
-  accelerator's ``gradient_accumulation_steps``.
+  accelerator's ``gradient_accumulation_steps``. ``save_state`` / ``load_state`` need
+  ``register_mvas_checkpointing(accelerator)`` (below) for an MVAS model: accelerate's own safetensors loader
+  refuses managed weights, and its dense file would be re-packed on load.
 
 What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assumes that gradients exist until
 ``optimizer.step()`` and that the optimizer neither scales the loss nor skips steps:
@@ -33,6 +35,9 @@ What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assu
   Trainer does for fp16 overflows.
 - ``Trainer(model=DGRWrapper(...))`` also needs the wrapped model's forward signature (to keep dataset
   columns) and saving the wrapped model; both are done here.
+- **checkpoints**: an MVAS model's checkpoints also hold its packed weights (``mvas.save_packed``), and
+  ``resume_from_checkpoint`` restores them bit for bit; with the optimizers' own ``state_dict`` (``DGROptimizer``
+  goes through each group's optimizer) a resumed run continues exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -46,9 +51,8 @@ import torch
 from transformers import Trainer
 from transformers.utils import find_labels
 
+from macroarch import mvas
 from macroarch.dgr import DGROptimizer, DGRWrapper
-from macroarch.mvas.checkpoint import PACKED_WEIGHTS_NAME, load_packed, save_packed
-from macroarch.mvas.store import MVASStore
 from macroarch.optim import CompensatedAdamW
 
 
@@ -179,30 +183,107 @@ class MacroTrainer(Trainer):
         super()._set_signature_columns_if_needed()
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's save (dense weights, of what a ``DGRWrapper`` wraps), plus the packed weights of an MVAS model
+        (``mvas.save_packed`` under ``mvas.PACKED_WEIGHTS_NAME``), which ``_load_from_checkpoint`` restores exactly."""
         wrapper = self._dgr_wrapper()
         if wrapper is None:
-            return super()._save(output_dir, state_dict)
-        model, self.model = self.model, wrapper.module  # save what the wrapper wraps, under its own names
-        try:
             super()._save(output_dir, state_dict)
-        finally:
-            self.model = model
+        else:
+            model, self.model = self.model, wrapper.module  # save what the wrapper wraps, under its own names
+            try:
+                super()._save(output_dir, state_dict)
+            finally:
+                self.model = model
+        module = self._module()
+        if self.args.should_save and _is_managed(module):
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            mvas.save_packed(module, os.path.join(output_dir, mvas.PACKED_WEIGHTS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """An MVAS model resumes from its packed weights, bit for bit (the dense file Trainer reads would be
+        re-packed: another rounding); anything else as Trainer does."""
+        packed = os.path.join(resume_from_checkpoint, mvas.PACKED_WEIGHTS_NAME)
+        module = self._module()
+        if os.path.isfile(packed) and _is_managed(module):
+            mvas.load_packed(module, packed)
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _module(self) -> Any:
+        """The user's model: inside accelerate's wrapping and the ``DGRWrapper``, if any."""
+        wrapper = self._dgr_wrapper()
+        if wrapper is not None:
+            return wrapper.module
+        return self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+
+
+def _is_managed(model: Any) -> bool:
+    """Whether ``model`` holds MVAS-managed (packed) weights."""
+    return any(isinstance(p, mvas.MVASWeight) for p in model.parameters())
+
+
+def register_mvas_checkpointing(accelerator: Any) -> list[Any]:
+    """Make accelerate's ``save_state`` / ``load_state`` exact for MVAS models; returns the two hooks' handles.
+
+    accelerate writes each model's ``state_dict`` with safetensors (dense, as ``save_pretrained`` does) and reads it
+    back with ``safetensors.torch.load_model``, which refuses a model whose state dict holds managed weights ("None
+    is covering the entire storage": an ``MVASWeight`` views packed storage smaller than its dense size). With these
+    hooks, every prepared model that holds managed weights is saved by ``mvas.save_packed`` as
+    ``mvas_model.safetensors`` (``mvas_model_<i>.safetensors`` for the i-th such model) and loaded by
+    ``mvas.load_packed``, bit for bit and with its checks; accelerate saves and loads everything else (other
+    models, optimizers, schedulers, RNG states) as usual. Register them before ``save_state`` and, in the resumed
+    run, before ``load_state``."""
+
+    def managed(models: list[Any]) -> list[tuple[int, Any]]:
+        found = []
+        for index, model in enumerate(models):
+            module = accelerator.unwrap_model(model)
+            if isinstance(module, DGRWrapper):
+                module = module.module
+            if _is_managed(module):
+                found.append((index, module))
+        return found
+
+    def name(k: int) -> str:
+        stem, ext = os.path.splitext(mvas.PACKED_WEIGHTS_NAME)
+        return mvas.PACKED_WEIGHTS_NAME if k == 0 else f"{stem}_{k}{ext}"
+
+    def save(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        found = managed(models)
+        if accelerator.is_main_process:
+            for k, (_, module) in enumerate(found):
+                mvas.save_packed(module, os.path.join(output_dir, name(k)))
+        for index, _ in reversed(found):  # accelerate writes the rest, numbered as load_state will see them
+            del weights[index]
+
+    def load(models: list[Any], input_dir: str) -> None:
+        found = managed(models)
+        for k, (_, module) in enumerate(found):
+            path = os.path.join(input_dir, name(k))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: no packed MVAS weights; the checkpoint was saved without "
+                                        "register_mvas_checkpointing(accelerator), or by another set of models")
+            mvas.load_packed(module, path)
+        for index, _ in reversed(found):
+            del models[index]
+
+    return [accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)]
 
 
 def save_pretrained(model: Any, directory: str | os.PathLike, *, packed: bool = False, **kwargs: Any) -> None:
     """Save an HF model under MVAS: dense weights in the training dtype (``model.save_pretrained``, loadable by
-    any ``from_pretrained``), or with ``packed=True`` its config plus the packed weights (``save_packed``) under
-    ``PACKED_WEIGHTS_NAME``, which a dense ``from_pretrained`` refuses (no weights file it knows) and
+    any ``from_pretrained``), or with ``packed=True`` its config plus the packed weights (``mvas.save_packed``) under
+    ``mvas.PACKED_WEIGHTS_NAME``, which a dense ``from_pretrained`` refuses (no weights file it knows) and
     ``from_pretrained`` below restores exactly."""
     if not packed:
         model.save_pretrained(directory, **kwargs)
         return
     os.makedirs(directory, exist_ok=True)
     model.config.save_pretrained(directory)
-    save_packed(model, os.path.join(os.fspath(directory), PACKED_WEIGHTS_NAME))
+    mvas.save_packed(model, os.path.join(os.fspath(directory), mvas.PACKED_WEIGHTS_NAME))
 
 
-def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, MVASStore]:
+def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, mvas.MVASStore]:
     """A model saved by ``save_pretrained(..., packed=True)``: built from its config (``model_cls``, e.g.
     ``LlamaForCausalLM``) in the saved dtype, put under the checkpoint's plan, weights restored bit for bit.
     Returns ``(model, store)``."""
@@ -213,5 +294,5 @@ def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, 
         dtype = getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):
         model.to(dtype)
-    store = load_packed(model, os.path.join(os.fspath(directory), PACKED_WEIGHTS_NAME))
+    store = mvas.load_packed(model, os.path.join(os.fspath(directory), mvas.PACKED_WEIGHTS_NAME))
     return model, store

@@ -1,15 +1,18 @@
 """compose.apply: the techniques stacked in order, against independent references."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from model_zoo import ZOO
 
-from macroarch import compose
+from macroarch import compose, mvas
 from macroarch.config import ConfigError, load_config
-from macroarch.dgr import DGRWrapper
+from macroarch.dgr import DGROptimizer, DGRWrapper
 from macroarch.mvas import MVASAdamW
+
+ROOT = Path(__file__).resolve().parent.parent
 
 POST = {"optim": {"macro_architecture": True, "group_size": 6,
                   "precision_policy": {"text": "fp16", "image": ["fp8", "fp16"]}}}
@@ -102,3 +105,90 @@ def test_budget_config_meets_its_reduction():
     value = loss(model)
     value.backward()
     stack.optimizer.step()
+
+
+def _state(model):
+    """Every tensor of the model as it is registered: (type, bytes), parameters by identity too."""
+    return ({k: (type(v).__name__, v.dtype, v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()},
+            [id(p) for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()])
+
+
+def _assert_unchanged(model, before):
+    tensors, ids, grads = _state(model)
+    assert ids == before[1]  # the user's own parameter objects, where they were registered
+    assert tensors.keys() == before[0].keys()
+    for k, (kind, dtype, value) in tensors.items():
+        assert (kind, dtype) == before[0][k][:2], k
+        assert torch.equal(value.reshape(-1).view(torch.uint8), before[0][k][2].reshape(-1).view(torch.uint8)), k
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, before[2]))
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+class _BatchNormNet(torch.nn.Module):
+    """Repeated blocks with BatchNorm, whose running statistics a forward pass in training mode changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_step_that_fails_after_mvas_leaves_the_model_bitwise_as_it_was():
+    """MVAS packs the weights, then DGR's forward pass (through the packed model: BatchNorm's statistics move)
+    raises: the model gets its own parameters, buffers and gradients back, and a retry applies cleanly."""
+    torch.manual_seed(0)
+    model = _BatchNormNet()
+    batch = torch.randn(8, 64)
+    torch.nn.functional.mse_loss(model(batch), torch.zeros(8, 4)).backward()  # gradients the user already had
+    config = {"mvas": {"target_reduction": 0.5, "min_numel": 0}, "dgr": {"group_size": 1}}
+    before = _state(model)
+    calls = []
+
+    def broken(m, b):
+        calls.append(any(isinstance(p, mvas.MVASWeight) for p in m.parameters()))
+        m(b).sum().backward()
+        raise OSError("the data loader broke")
+
+    with pytest.raises(RuntimeError, match=r"DGRWrapper.*OSError: the data loader broke.*restored"):
+        compose.apply(model, config, example_inputs=batch, loss_fn=broken)
+    assert calls == [True]  # it failed after MVAS had packed the model
+    _assert_unchanged(model, before)
+
+    stack = compose.apply(model, config, example_inputs=batch,
+                          loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b), torch.zeros(8, 4)))
+    assert stack.store.entries and isinstance(stack.optimizer, DGROptimizer)
+
+
+def test_the_loops_loss_fn_without_example_inputs_is_refused_before_anything_is_applied():
+    """The README's loop calls loss_fn(model, batch): the same function given to apply without example_inputs is
+    refused, naming how to pass the batch, and the model is untouched; with example_inputs it trains."""
+    model, loss = ZOO["clip"]()
+    batch = 0  # the zoo's loss closes over its own batch; this loop's loss_fn takes (model, batch)
+
+    def loss_fn(m, b):
+        return loss(m)
+
+    before = _state(model)
+    with pytest.raises(ConfigError, match=r"example_inputs=batch"):
+        compose.apply(model, POST, loss_fn=loss_fn)
+    _assert_unchanged(model, before)
+    stack = compose.apply(model, POST, example_inputs=batch, loss_fn=loss_fn, seed=0)
+    loss_fn(stack.model, batch).backward()
+    stack.optimizer.step()
+
+
+def test_a_nan_lr_is_refused_before_the_model_is_packed(tmp_path):
+    model, loss = ZOO["clip"]()
+    path = tmp_path / "post.yaml"
+    path.write_text((ROOT / "configs" / "clip_post.yaml").read_text() + "  lr: .nan\n")
+    before = _state(model)
+    with pytest.raises(ConfigError, match="optim.lr"):
+        compose.apply(model, str(path), loss_fn=loss)
+    _assert_unchanged(model, before)

@@ -68,3 +68,28 @@ def test_every_field_has_a_docstring():
                       if isinstance(body[i], ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)}
         fields = {f for f in cls.__dataclass_fields__}
         assert fields == documented, f"{cls.__name__}: fields without a docstring: {fields - documented}"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("optim.lr", ".nan"), ("optim.lr", ".inf"), ("optim.eps", ".nan"), ("optim.weight_decay", "-.inf"),
+    ("optim.betas", "[.nan, 0.999]"), ("mvas.target_reduction", ".nan"), ("mvas.shallow_fraction", ".nan"),
+    ("dgr.max_grad_norm", ".nan"), ("dgr.max_grad_norm", ".inf"),
+])
+def test_non_finite_numbers_are_refused_at_load_naming_the_key(tmp_path, key, value):
+    """YAML's .nan and .inf parse as floats; every numeric setting refuses them, in the file and in a mapping."""
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"c.yaml: {key}"):
+        load_config(path)
+    import yaml
+
+    with pytest.raises(ConfigError, match=key):
+        load_config(yaml.safe_load(path.read_text()))
+
+
+def test_a_non_finite_lr_is_refused_by_the_dataclass_too():
+    with pytest.raises(ConfigError, match="optim.lr"):
+        OptimConfig(lr=float("nan"))
+    with pytest.raises(ConfigError, match="dgr.max_grad_norm"):
+        DGRConfig(max_grad_norm=float("inf"))

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch._autograd import at_backward_end, backward_pass_id
+from macroarch._compat.autograd import at_backward_end, backward_pass_id
 from macroarch.comm.layout import BUCKET_MULTIPLE_MB, MiB, check_bucket_mb, plan_buckets
 
 

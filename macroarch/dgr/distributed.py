@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch._autograd import at_backward_end, backward_pass_id
+from macroarch._compat.autograd import at_backward_end, backward_pass_id
 from macroarch.dgr.grouping import Grouping
 from macroarch.dgr.pipeline import DGROptimizer
 from macroarch.dgr.wrapper import DGRWrapper
@@ -196,7 +196,7 @@ def data_parallel(wrapper: DGRWrapper, optimizer_cls: Callable[..., torch.optim.
 def shard_blocks(module: nn.Module, blocks: list[str], shard: Callable[..., Any] | None = None,
                  **fully_shard_kwargs: Any) -> None:
     """FSDP2's usual plan: every block (a submodule name) its own unit, then the root (the rest), each through
-    ``shard`` (default ``torch.distributed.fsdp.fully_shard``; ``macroarch.mvas.fsdp.fully_shard`` for managed
+    ``shard`` (default ``torch.distributed.fsdp.fully_shard``; ``macroarch.mvas.interop.fsdp.fully_shard`` for managed
     weights)."""
     if shard is None:
         from torch.distributed.fsdp import fully_shard as shard

@@ -24,8 +24,13 @@ right away, while backward carries on with the layers below:
 
 Optimizer structure: one instance of the user's optimizer class per group (so a group steps alone, with any
 ``torch.optim.Optimizer``), all sharing this object's ``state`` dict, and whose single param group *is*
-``self.param_groups[g]``: LR schedulers, ``state_dict()`` and ``load_state_dict()`` are torch's own, over one
-param group per DGR group. ``param_groups[g]["max_grad_norm"]`` is the group's clipping norm.
+``self.param_groups[g]``: LR schedulers see torch's own param groups, one per DGR group, and
+``param_groups[g]["max_grad_norm"]`` is the group's clipping norm. ``state_dict()`` has torch's layout and
+``load_state_dict()`` takes it, but both go through each per-group optimizer's own ``state_dict`` /
+``load_state_dict`` (whatever its class): torch's generic loader would cast ``MVASAdamW``'s fp8 moments and
+``CompensatedAdamW``'s fp32 masters to the parameter dtype and drop what those optimizers keep beside the state
+(the stochastic-rounding seed, loss scale, counters). So a run stopped after step k and resumed from
+``state_dict()`` continues bitwise as the uninterrupted one, with the moments in their stored format.
 
 Gradient accumulation (``accumulation_steps=k``): only the k-th backward since the last ``step()`` updates;
 before it, gradients accumulate in ``.grad`` as usual and ``step()``/``zero_grad()`` do nothing, so a plain
@@ -87,7 +92,8 @@ from typing import Any
 
 import torch
 
-from macroarch._autograd import at_backward_end, backward_pass_id
+from macroarch._compat.autograd import at_backward_end, backward_pass_id
+from macroarch._compat.subclass import torch_function_disabled
 from macroarch.dgr.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
 from macroarch.optim.functional import all_finite, finite_checked, local
@@ -285,13 +291,28 @@ class DGROptimizer(torch.optim.Optimizer):
         if 0 < self._micro < self.config.accumulation_steps:
             return
         self._free_released()
-        with torch._C.DisableTorchFunctionSubclass():  # ``.grad`` of a managed weight needs no torch function
+        with torch_function_disabled():  # ``.grad`` of a managed weight needs no torch function
             super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict plus ``"dgr"``: the delay queues, the compensator, the step counters."""
-        state = super().state_dict()
-        state["dgr"] = {
+        """torch's layout (one param group per DGR group, parameters numbered in group order) assembled from each
+        per-group optimizer's own ``state_dict()``, plus ``"dgr"``: the delay queues, the compensator, the step
+        counters, and under ``"inner"`` what each per-group optimizer adds beside its state and param group
+        (``MVASAdamW``'s seed, ``CompensatedAdamW``'s counters, scaler and guard)."""
+        state_dict = super().state_dict()  # torch's hooks; its state and groups are replaced by the inner ones
+        state, groups, inner_extras = {}, [], []
+        first = 0
+        for index in range(len(self._inner)):
+            with self._alone(index) as inner:
+                own = inner.state_dict()
+            (group,) = own["param_groups"]
+            renumber = {local: first + k for k, local in enumerate(group["params"])}
+            groups.append({**group, "params": [renumber[i] for i in group["params"]]})
+            state.update({renumber[i]: value for i, value in own["state"].items()})
+            inner_extras.append({k: v for k, v in own.items() if k not in ("state", "param_groups")})
+            first += len(group["params"])
+        state_dict["state"], state_dict["param_groups"] = state, groups
+        state_dict["dgr"] = {
             "delays": list(self._delays),
             "micro_step": self._micro,
             "done": sorted(self._done),
@@ -299,19 +320,42 @@ class DGROptimizer(torch.optim.Optimizer):
                         for queue in self._pending],
             "compensator": None if self.compensator is None else self.compensator.state_dict(),
             "skipped_nonfinite": self.skipped_nonfinite,
+            "inner": inner_extras,
         }
-        return state
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()``: each group's slice goes through its per-group optimizer's own
+        ``load_state_dict`` (which keeps packed moments and master copies in their stored dtype; torch's loader
+        would cast them to the parameter dtype), then DGR's queues and counters. All or nothing: the layout is
+        checked first, and if a per-group load raises, every per-group optimizer is put back as it was and the
+        error is re-raised naming the group. A state dict without ``"dgr"`` (torch's layout alone) loads the
+        per-group state and keeps DGR's queues and counters."""
         state_dict = dict(state_dict)
         dgr = state_dict.pop("dgr", None)
-        if dgr is not None:
-            if list(dgr["delays"]) != list(self._delays) or len(dgr["pending"]) != len(self._pending):
-                raise ValueError(f"state_dict was saved with delays {dgr['delays']}; this optimizer has "
-                                 f"{list(self._delays)}: build it with the same grouping and delays")
-            if (dgr["compensator"] is None) != (self.compensator is None):
-                raise ValueError("state_dict and this optimizer disagree on having a compensator")
-        super().load_state_dict(state_dict)
+        slices = self._check_loadable(state_dict, dgr)
+        previous = []
+        for index in range(len(self._inner)):
+            with self._alone(index) as inner:
+                previous.append(inner.state_dict())
+        state: collections.defaultdict = collections.defaultdict(dict)
+        groups: list[dict[str, Any]] = []
+        loaded = 0
+        try:
+            for index, own in enumerate(slices):
+                with self._alone(index) as inner:
+                    inner.load_state_dict(own)
+                    loaded += 1
+                    state.update(inner.state)
+                    groups.append(inner.param_groups[0])
+        except Exception as exc:
+            for index in range(loaded + 1):
+                with self._alone(index) as inner:
+                    inner.load_state_dict(previous[index])
+            group = self.grouping.groups[loaded]
+            raise ValueError(f"DGR group {loaded} ({group.label}): {type(self._inner[loaded]).__name__}."
+                             f"load_state_dict raised {type(exc).__name__}: {exc}; nothing was loaded") from exc
+        self.state, self.param_groups = state, groups
         self._relink()
         if dgr is None:
             return
@@ -329,6 +373,62 @@ class DGROptimizer(torch.optim.Optimizer):
                               [w.detach().to(p.device, copy=True) for w, p in zip(entry["w_then"], params)]))
         if self.compensator is not None:
             self.compensator.load_state_dict(dgr["compensator"])
+
+    def _check_loadable(self, state_dict: dict[str, Any], dgr: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """Check ``state_dict``'s layout against this optimizer before anything is loaded; returns each group's
+        slice in the per-group optimizer's own layout (its parameters numbered from 0)."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError("state_dict has no 'state' and 'param_groups': pass what DGROptimizer.state_dict() "
+                             "returned")
+        if len(saved_groups) != len(self._inner):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups; this DGR optimizer has "
+                             f"{len(self._inner)} groups: build it with the same grouping (model, group_size)")
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"state_dict's param group {index} has {len(saved['params'])} parameters; DGR group "
+                                 f"{index} ({self.grouping.groups[index].label}) has {len(group['params'])}: build the "
+                                 "optimizer with the same grouping")
+        extras: list[dict[str, Any]] = [{} for _ in self._inner]
+        if dgr is not None:
+            if list(dgr["delays"]) != list(self._delays) or len(dgr["pending"]) != len(self._pending):
+                raise ValueError(f"state_dict was saved with delays {dgr['delays']}; this optimizer has "
+                                 f"{list(self._delays)}: build it with the same grouping and delays")
+            if (dgr["compensator"] is None) != (self.compensator is None):
+                raise ValueError("state_dict and this optimizer disagree on having a compensator")
+            extras = dgr.get("inner", extras)  # saved before per-group delegation: torch's layout alone
+            if len(extras) != len(self._inner):
+                raise ValueError(f"state_dict's 'dgr.inner' has {len(extras)} entries for {len(self._inner)} groups")
+        slices = []
+        for saved, extra in zip(saved_groups, extras):
+            ids = saved["params"]
+            own_state = {k: state_dict["state"][i] for k, i in enumerate(ids) if i in state_dict["state"]}
+            slices.append({**extra, "state": own_state, "param_groups": [{**saved, "params": list(range(len(ids)))}]})
+        return slices
+
+    def init_state(self, params: Any = None) -> None:
+        """Create the zero state of every parameter that has none, without stepping (the per-group optimizers'
+        ``init_state``, e.g. for ``macroarch.mvas.interop.dcp.load``); raises if a per-group optimizer has none."""
+        wanted = None if params is None else {id(p) for p in params}
+        for index, inner in enumerate(self._inner):
+            init = getattr(inner, "init_state", None)
+            if init is None:
+                raise ValueError(f"DGR group {index}: {type(inner).__name__} has no init_state(); take one step first")
+            own = [p for p in self.param_groups[index]["params"] if wanted is None or id(p) in wanted]
+            if own:
+                init(own)
+
+    @contextlib.contextmanager
+    def _alone(self, index: int) -> Iterator[torch.optim.Optimizer]:
+        """Per-group optimizer ``index`` with a state dict of its own parameters only, as torch's ``state_dict`` /
+        ``load_state_dict`` need; relinked to the shared state after."""
+        inner = self._inner[index]
+        inner.state = collections.defaultdict(
+            dict, {p: self.state[p] for p in self.param_groups[index]["params"] if p in self.state})
+        try:
+            yield inner
+        finally:
+            self._relink()
 
     # ------------------------------------------------------------------------------------ DGR API
     @contextlib.contextmanager
@@ -395,7 +495,7 @@ class DGROptimizer(torch.optim.Optimizer):
 
     def _free_released(self) -> None:
         if self._release:
-            with torch._C.DisableTorchFunctionSubclass():  # ``.grad = None`` needs no subclass's torch function
+            with torch_function_disabled():  # ``.grad = None`` needs no subclass's torch function
                 for p in self._release:
                     p.grad = None
             self._release.clear()
@@ -405,7 +505,7 @@ class DGROptimizer(torch.optim.Optimizer):
         ``atomic_steps`` (module docstring)."""
         group = self.grouping.groups[index]
         params, inner = group.params, self._inner[index]
-        with torch._C.DisableTorchFunctionSubclass():  # reading ``.grad`` needs no subclass's torch function
+        with torch_function_disabled():  # reading ``.grad`` needs no subclass's torch function
             fresh = [p.grad for p in params]
         delay, queue = self._delays[index], self._pending[index]
         if self._poisoned:
@@ -530,11 +630,11 @@ def _skip(inner: torch.optim.Optimizer, nonfinite: bool) -> None:
 def _check_packed_weights(inner: torch.optim.Optimizer, group: Any) -> None:
     """A per-group optimizer that cannot write packed (MVAS) weights is refused when it is built, before any
     backward could step it."""
-    from macroarch.mvas.tensor import MVASWeight
+    from macroarch import mvas
 
     if getattr(inner, "supports_mvas_weights", False):
         return
     for p in group.params:
-        if isinstance(p, MVASWeight):
+        if isinstance(p, mvas.MVASWeight):
             raise TypeError(f"DGR group {group.index} ({group.label}): {type(inner).__name__} cannot update "
                             "MVAS-managed (packed) weights; use wrapper.optimizer(macroarch.mvas.MVASAdamW, ...)")

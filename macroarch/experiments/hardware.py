@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from macroarch._compat import cpu
+
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -42,19 +44,18 @@ def cpu_capability() -> str:
 
 def native_bf16_cpu() -> bool:
     """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX-512 BF16 / AMX), not emulated. oneDNN's own answer
-    is yes on every AVX-512 CPU, where it emulates bf16 without those instructions (measured on a Xeon with AVX-512
-    but neither: a 1024 x 1024 bf16 matmul 3.3x slower than fp32), so the CPU's own flags decide too; a torch without
-    the probes keeps oneDNN's answer."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    is yes on every AVX-512 CPU, where it emulates bf16 without those instructions (a 1024 x 1024 bf16 matmul several
+    times slower than fp32 on a Xeon with AVX-512 but neither), so the CPU's own flags decide too; where neither
+    torch's probes nor ``/proc/cpuinfo`` can tell, oneDNN's answer stands. Never raises (``macroarch._compat.cpu``)."""
+    if not cpu.onednn_bf16():
         return False
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if not all(callable(probe) for probe in probes):
-        return True
-    return any(bool(probe()) for probe in probes)
+    instructions = cpu.bf16_instructions()
+    return True if instructions is None else instructions
 
 
 def native_fp16_cpu() -> bool:
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    """Whether oneDNN runs fp16 matmuls on this CPU. Never raises (``macroarch._compat.cpu``)."""
+    return cpu.onednn_fp16()
 
 
 def auto_compute_dtype(device: str = "cpu") -> str:

@@ -13,7 +13,7 @@ training step". It names no model, cluster or batch; the setting here is GPT-3 1
   beside a real FSDP2 step on those ranks;
 - packed weights (issue 18): on the same ranks (:func:`packed_ranks`, run after the calibration), the same
   GPT-2-style model trained a few steps under FSDP2 in bf16 and with its blocks' matmul weights as MVAS fp8 / fp4
-  (``macroarch.mvas.fsdp.fully_shard``, ``MVASAdamW``); the bytes each all-gather carried are counted at the
+  (``macroarch.mvas.interop.fsdp.fully_shard``, ``MVASAdamW``); the bytes each all-gather carried are counted at the
   collective (``macroarch.measure.fsdp_bytes.count_collectives``), with each rank's weight, gradient and optimizer
   bytes. :func:`packed_payload` turns them into bytes gathered per parameter of a block, and :func:`packed_shares`
   feeds that measured payload into the ZeRO-3 model of the post's setting: the sync share with packed weights.

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from macroarch._compat.distributed import default_store
 from macroarch.comm.bucketer import GradientBucketer, ddp_bucket_bytes, ddp_with_buckets
 from macroarch.comm.launch import launch
 from macroarch.comm.layout import MiB
@@ -218,7 +219,7 @@ def _dead_rank_worker(workload: dict, mode: str, after_steps: int, collective_ti
 
     w = Workload(**workload)
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     model = w.mlp()
     bucketer = None if blocking else GradientBucketer(model, bucket_mb=8, timeout=collective_timeout)
     for step, x in enumerate(w.mlp_batches(rank, after_steps + 1)):

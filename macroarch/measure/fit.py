@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch.measure.memory.measured import StepMemory, _create_state, measure_step
+from macroarch.measure.memory.measured import StepMemory, create_optimizer_state, measure_step
 
 Batch = Mapping[str, torch.Tensor]
 Built = tuple[nn.Module, Callable[..., Any], torch.optim.Optimizer, Batch]
@@ -80,10 +80,10 @@ def measure_training(build: Callable[[], Built], loss_fn: Callable[[Any, Batch],
     optimizer and batch are tracked from before the step (module docstring of ``measured``: parameters,
     gradients, optimizer state, master weights, activations, temporaries, other).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from macroarch._compat.fake import fake_tensor_mode
 
     if fake:
-        with FakeTensorMode():
+        with fake_tensor_mode():
             return _measure(build, loss_fn)
     return _measure(build, loss_fn)
 
@@ -93,7 +93,7 @@ def _measure(build: Callable[[], Built], loss_fn: Callable[[Any, Batch], torch.T
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     if any(not optimizer.state.get(p) for p in params):  # lazily created state: one step on zero gradients
-        _create_state(optimizer, params)
+        create_optimizer_state(optimizer, params)
 
     def step() -> None:
         loss = loss_fn(runner, batch)

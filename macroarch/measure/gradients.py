@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from macroarch._autograd import at_backward_end
+from macroarch._compat.autograd import at_backward_end
 from macroarch.models.layers import find_repeated_layers
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}

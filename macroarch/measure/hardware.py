@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from macroarch._compat.dispatch import TorchDispatchMode, tensors_in
 from macroarch.measure.step_time import Device
 
 GB = 1e9
@@ -351,7 +350,7 @@ class OpCounter(TorchDispatchMode):
         return sum(2 * math.prod(a[0][:-1]) * a[0][-1] * b[0][-1] * c for (_, a, b, _), c in self.matmuls.items())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from macroarch.mvas.tensor import MVASWeight
+        from macroarch.mvas import MVASWeight
 
         if any(issubclass(t, MVASWeight) for t in types):
             return NotImplemented  # a packed weight dequantises through plain ops: those come back here, counted
@@ -363,7 +362,7 @@ class OpCounter(TorchDispatchMode):
             key = (func, (tuple(a.shape), a.stride()), (tuple(b.shape), b.stride()), a.dtype)
             self.matmuls[key] = self.matmuls.get(key, 0) + 1
         elif not func.is_view:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            tensors = tensors_in((args, kwargs, out))
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
 

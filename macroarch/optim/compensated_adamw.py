@@ -48,12 +48,12 @@ the ranks' learning rates can differ; ``count_lost_updates`` counts this rank's 
 DDP need nothing (their gradients are already reduced, the same on every rank).
 
 **Zero state without a step**: ``init_state()`` creates the state (step 0, zero moments, the fp32 master copy)
-of every parameter that has none, e.g. for a checkpoint loader to load into (``macroarch.mvas.dcp``).
+of every parameter that has none, e.g. for a checkpoint loader to load into (``macroarch.mvas.interop.dcp``).
 
-Deviations: no amsgrad, no fused kernel, no capturable/differentiable modes. Under DGR (``DGRWrapper.optimizer``)
-the per-parameter state is saved by the DGR optimizer's ``state_dict`` but torch's ``load_state_dict`` there
-casts master copies to the parameter dtype, and this optimizer's own counters, scaler and guard are not in it:
-checkpoint them separately.
+Under DGR (``DGRWrapper.optimizer``) each group runs its own instance, and the DGR optimizer's ``state_dict`` /
+``load_state_dict`` go through this class's, so masters stay fp32 and the counters, scaler and guard are saved.
+
+Deviations: no amsgrad, no fused kernel, no capturable/differentiable modes.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         """Create the zero state of every parameter (or of ``params``, parameters of this optimizer) that has none
         yet, without stepping: step 0, zero moments (local to a DTensor's shard), and the master copy where
         ``uses_master``, taken from the weight now. What the first update would create; state already there is
-        kept. For loaders that fill existing tensors (``torch.distributed.checkpoint``, ``macroarch.mvas.dcp``)."""
+        kept. For loaders that fill existing tensors (``torch.distributed.checkpoint``, ``macroarch.mvas.interop.dcp``)."""
         params = owned_params(self, params)
         for p in params:
             self._init_state(p)

@@ -2,7 +2,7 @@
 
 Every optimizer of this project runs this arithmetic: ``CompensatedAdamW`` (and ``MasterWeightAdamW``, which is
 it with ``master_weights=True``) on the parameters or their fp32 master copies, ``MVASAdamW`` on the values it
-decodes from packed storage (``macroarch.mvas.kernels``, eager or compiled by ``torch.compile``). What differs
+decodes from packed storage (``macroarch.mvas._kernels``, eager or compiled by ``torch.compile``). What differs
 between them is storage, never the math (torchao's ``single_param_adam`` is the model).
 
 - ``check_hyperparameters``: the one argument check (``lr``, ``betas``, ``eps``, ``weight_decay``), errors naming

@@ -1,7 +1,7 @@
 """Measured memory of one training step, by category, with real tensors or fake ones.
 
 ``measure_training_step`` builds a model, runs forward (loss included), backward and an AdamW step
-under ``torch.distributed._tools.mem_tracker.MemTracker``, and reports the peak of live tensor bytes,
+under torch's ``MemTracker`` (through ``macroarch._compat.memtracker``), and reports the peak of live tensor bytes,
 what the peak was made of, each category's own maximum, the peak of each phase, and what was alive
 when the forward pass ended (the activations that ``macroarch.measure.memory.analytic.activation_bytes``
 counts). With ``fake=True`` everything runs under ``FakeTensorMode``: tensors have shapes, dtypes and
@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _UpdateType
 
+from macroarch._compat import memtracker
+from macroarch._compat.fake import fake_tensor_mode
 from macroarch.measure.memory.analytic import PrecisionPolicy, get_precision
 from macroarch.models.registry import get_model_spec
 from macroarch.models.spec import ModelSpec
@@ -61,14 +61,14 @@ CATEGORIES = (
 )
 PHASES = ("setup", "forward", "backward", "optimizer")
 
-_FROM_MEMTRACKER = {
-    _MemRefType.PARAM: "parameters",
-    _MemRefType.BUFFER: "other",
-    _MemRefType.GRAD: "gradients",
-    _MemRefType.ACT: "activations",
-    _MemRefType.TEMP: "temporaries",
-    _MemRefType.OPT: "temporaries",  # persistent optimizer tensors are labelled before the step
-    _MemRefType.OTH: "other",
+_FROM_MEMTRACKER = {  # MemTracker's kinds (macroarch._compat.memtracker.KINDS) -> this module's categories
+    "param": "parameters",
+    "buffer": "other",
+    "grad": "gradients",
+    "act": "activations",
+    "temp": "temporaries",
+    "opt": "temporaries",  # persistent optimizer tensors are labelled before the step
+    "other": "other",
 }
 
 
@@ -118,32 +118,42 @@ class MemoryReport:
         return self.end_of_forward["activations"]
 
 
-class _CategoryTracker(MemTracker):
-    """MemTracker that also keeps this module's categories, their maxima and per-phase peaks.
+class _CategoryTracker:
+    """A MemTracker that also keeps this module's categories, their maxima and per-phase peaks.
 
-    MemTracker calls ``_update_snap`` on every change to a tracked storage; mirroring each change here
-    keeps the refined totals exact without rescanning storages.
+    MemTracker reports every change to a tracked storage; mirroring each change here keeps the refined totals
+    exact without rescanning storages. A storage ``label`` files under a category keeps it whatever MemTracker
+    files it under later.
     """
 
     def __init__(self) -> None:
-        super().__init__()
-        self._labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # winfo -> category
+        self._labels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage key -> category
         self.current = dict.fromkeys(CATEGORIES, 0)
         self.max_by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak = PhasePeak(0, dict(self.current))
         self.phase = "setup"
         self.phases: dict[str, PhasePeak] = {}  # phase -> its peak
+        self._tracker = memtracker.tracker(self._on_change, defer=_is_managed_weight)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from macroarch.mvas.tensor import MVASWeight
+    def __enter__(self) -> _CategoryTracker:
+        self._tracker.__enter__()
+        return self
 
-        if any(issubclass(t, MVASWeight) for t in types):
-            return NotImplemented  # the weight dequantises through plain ops, which come back here and are counted
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    def __exit__(self, *exc: Any) -> None:
+        self._tracker.__exit__(*exc)
 
-    def _category(self, winfo: Any) -> str:
-        label = self._labels.get(winfo)
-        return label if label is not None else _FROM_MEMTRACKER[winfo.reftype]
+    def track_external(self, *external: Any) -> None:
+        self._tracker.track_external(*external)
+
+    def _on_change(self, key: Any, old_kind: str | None, old_bytes: int, new_kind: str | None, new_bytes: int) -> None:
+        label = self._labels.get(key)
+        if label is not None:
+            self._add(label, new_bytes - old_bytes)
+            return
+        if old_kind is not None:
+            self._add(_FROM_MEMTRACKER[old_kind], -old_bytes)
+        if new_kind is not None:
+            self._add(_FROM_MEMTRACKER[new_kind], new_bytes)
 
     def _add(self, category: str, nbytes: int) -> None:
         self.current[category] += nbytes
@@ -157,36 +167,14 @@ class _CategoryTracker(MemTracker):
         if phase is None or total > phase.peak_bytes:
             self.phases[self.phase] = PhasePeak(total, dict(self.current))
 
-    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:  # type: ignore[override]
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-        if u_type == _UpdateType.ADD:
-            self._add(self._category(winfo), winfo.mem_consumed)
-        elif u_type == _UpdateType.DEL:
-            self._add(self._category(winfo), -winfo.mem_consumed)
-        elif u_type == _UpdateType.SIZE:
-            self._add(self._category(winfo), winfo.mem_consumed - old_mem_consumed)
-        elif u_type == _UpdateType.REF and winfo not in self._labels:
-            self._add(_FROM_MEMTRACKER[old_reftype], -winfo.mem_consumed)
-            self._add(_FROM_MEMTRACKER[winfo.reftype], winfo.mem_consumed)
-
-    def _update_peak_stats(self, peak_state) -> None:  # type: ignore[override]
-        # MemTracker also refreshes a peak snapshot for every active module here, scanning all modules
-        # after every op: quadratic in depth (a GPT-3 175B step took 90 s instead of 4 s). Only the global
-        # peak is kept; per-module snapshots are not part of a MemoryReport.
-        for device, snapshot in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
-                self._peak_mem[device] = snapshot[_TOTAL_KEY]
-                self._peak_mem_snap[device] = dict(snapshot)
-
     def label(self, tensor: torch.Tensor, category: str) -> None:
         """File an already tracked tensor's storage under ``category`` from now on."""
-        for storage in get_untyped_storages(tensor):
-            winfo, _ = self._WINFO[storage]
-            old = self._category(winfo)
-            self._labels[winfo] = category
-            if old != category and winfo.mem_consumed:
-                self._add(old, -winfo.mem_consumed)
-                self._add(category, winfo.mem_consumed)
+        for key, kind, nbytes in self._tracker.storages(tensor):
+            old = self._labels.get(key, _FROM_MEMTRACKER[kind])
+            self._labels[key] = category
+            if old != category and nbytes:
+                self._add(old, -nbytes)
+                self._add(category, nbytes)
 
     def start_phase(self, phase: str) -> None:
         """Begin ``phase``; ``"setup"`` also forgets every earlier peak (tracking and labelling churn)."""
@@ -197,6 +185,13 @@ class _CategoryTracker(MemTracker):
             self.max_by_category = dict(self.current)
         self.phase = phase
         self.phases[phase] = now
+
+
+def _is_managed_weight(types: tuple[type, ...]) -> bool:
+    """An op on an MVAS weight goes back to it: it dequantises through plain ops, which are counted."""
+    from macroarch.mvas import MVASWeight
+
+    return any(issubclass(t, MVASWeight) for t in types)
 
 
 def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inputs: Any) -> _CategoryTracker:
@@ -248,11 +243,11 @@ def _make_optimizer(model: torch.nn.Module, policy: PrecisionPolicy, foreach: bo
             f"({policy.param_dtype}), not {policy.optimizer_state_dtype}"
         )
     optimizer = torch.optim.AdamW(params, foreach=foreach)
-    _create_state(optimizer, params)
+    create_optimizer_state(optimizer, params)
     return optimizer
 
 
-def _create_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+def create_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     """Optimizers create their state (Adam's m, v, step) lazily in the first step: one on zero gradients."""
     for p in params:
         p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
@@ -310,16 +305,14 @@ def measure_training_step(
         # Backward on fake CUDA tensors assumes a CUDA context exists; one real allocation creates it.
         torch.zeros(1, device=device)
     name, builder = _resolve_builder(model)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode() if fake else contextlib.nullcontext():
+    with fake_tensor_mode() if fake else contextlib.nullcontext():
         net = builder(device=device, dtype=policy.param_dtype).train()
         vocab_size = net.get_input_embeddings().num_embeddings
         if prepare is None:
             runner, optimizer = net, _make_optimizer(net, policy, foreach)
         else:
             runner, optimizer = prepare(net)
-            _create_state(optimizer, [p for p in net.parameters() if p.requires_grad])
+            create_optimizer_state(optimizer, [p for p in net.parameters() if p.requires_grad])
         input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
 
         tracker = _tracker_for(net, optimizer, input_ids)
