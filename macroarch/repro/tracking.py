@@ -5,9 +5,10 @@
     run = start_run("C4", profile, params)   # params: the notebook's parameters, whole
     run.log(step=i, loss=...)                # series: name -> [{step, value}]
     run.summary(total_bytes=...)             # scalar metrics
+    run.estimate(quality_gap=paired_difference(base, tech))  # a graded number with its interval (measure.stats)
     run.table("sweep", rows)                 # a list of dicts (one per row): sweeps, grids
     run.figure("bytes_by_category", fig)
-    run.verdict(get_claim("C4").grade(metrics, scale=...))
+    run.verdict(get_claim("C4").grade(run.measurements, scale=...))
     run.finish()                             # or use the run as a context manager
 
 Guarantees, because the paper trusts these files:
@@ -18,6 +19,10 @@ Guarantees, because the paper trusts these files:
   that was killed), ``"complete"`` only after a verdict was recorded and the run ended cleanly, and
   ``"failed"`` (with the error) if it raised or ended without a verdict, ``"interrupted"`` if it was stopped
   (a ``KeyboardInterrupt``: JupyterLab's stop button, the runner's Ctrl-C).
+- ``result["verdict"]["estimates"]`` records, for every number the verdict was graded on, its value, interval,
+  n, method, confidence and kind (measured, modelled, looked up), its grade and the n that would decide it;
+  ``result["estimates"]`` holds what :meth:`Run.estimate` recorded. Files written before these existed lack
+  them and stay readable.
 - W&B is best effort and isolated: the run's W&B side lives in a process of its own
   (:mod:`macroarch.repro.wandb_sidecar`, which says why), so a dead ``wandb-core``, a bad key, no network or
   a full disk can neither fail nor slow the measurement; what went wrong is recorded under
@@ -189,6 +194,7 @@ class Run:
             "series": {},
             "tables": {},
             "figures": [],
+            "estimates": {},
             "verdict": None,
             "error": None,
             "wandb": {"mode": None, "id": None, "dir": None, "state": None, "error": None, "artifact": None},
@@ -218,6 +224,22 @@ class Run:
     @property
     def metrics(self) -> dict[str, float]:
         return dict(self._data["metrics"])
+
+    def estimate(self, **estimates: Any) -> None:
+        """Record graded numbers with their intervals: each an :class:`~macroarch.measure.stats.Estimate` (or its
+        dict). Its value goes into ``metrics`` under the same name (so tables, W&B and old readers see a number);
+        the whole estimate into ``result["estimates"]``."""
+        from macroarch.measure.stats import as_estimate
+
+        ests = {k: as_estimate(e) for k, e in estimates.items()}
+        self._data.setdefault("estimates", {}).update({k: e.to_dict() for k, e in ests.items()})
+        self.summary(**{k: e.value for k, e in ests.items()})
+
+    @property
+    def measurements(self) -> dict[str, Any]:
+        """What a claim is graded on: ``metrics``, with each recorded estimate (as its dict) in place of its value:
+        ``get_claim(cid).grade(run.measurements, ...)``."""
+        return {**self._data["metrics"], **self._data.get("estimates", {})}
 
     def table(self, name: str, rows: Sequence[Mapping[str, Any]] | Any) -> None:
         """Record a table (a sweep, a grid): ``rows`` is a list of dicts with the same keys, or a DataFrame."""
@@ -254,7 +276,9 @@ class Run:
         self._data["verdict"] = v
         self._verdict_set = True
         self._send("summary", values={"verdict": v})
-        self._send("table", key=f"{self.claim}/verdict", columns=list(v), rows=[list(v.values())])
+        # a table cell holds text: the per-number estimates go in as one JSON string
+        cells = {**v, "estimates": json.dumps(v.get("estimates") or {}, sort_keys=True)}
+        self._send("table", key=f"{self.claim}/verdict", columns=list(cells), rows=[list(cells.values())])
         self._flush()
         return verdict
 
