@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROFILE ?= cpu
 
-.PHONY: reproduce test lab paper runs view docs lint venv lock clean-runs
+.PHONY: reproduce test compat lab paper runs view docs lint venv lock clean-runs
 
 venv: $(STAMP)
 
@@ -20,8 +20,32 @@ $(STAMP): requirements.txt pyproject.toml
 reproduce: $(STAMP)
 	$(BIN)/macroarch reproduce --profile $(PROFILE)
 
+# The compatibility subset on the older supported torch (when its wheel is on disk), then the whole suite on the lock's.
 test: $(STAMP)
+	@if [ -f $(COMPAT_WHEEL) ]; then $(MAKE) --no-print-directory compat; \
+	  else echo "make test: SKIPPED the torch $(COMPAT_TORCH) compatibility subset (no wheel at $(COMPAT_WHEEL))"; fi
 	$(BIN)/python -m pytest
+
+# tests/compat in a scratch venv that holds torch $(COMPAT_TORCH) first, then `pip install -e .` (which must keep it):
+# the package's declared range, not the lock, is what a user's environment meets. Other packages follow the lock.
+COMPAT_TORCH ?= 2.13.0
+COMPAT_WHEEL ?= /opt/wheels/torch-$(COMPAT_TORCH)+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+COMPAT_VENV  := .venv-torch$(basename $(COMPAT_TORCH))
+COMPAT_BIN   := $(COMPAT_VENV)/bin
+
+$(COMPAT_VENV)/.installed: pyproject.toml requirements.txt
+	@test -f $(COMPAT_WHEEL) || { echo "make compat: no torch $(COMPAT_TORCH) wheel at $(COMPAT_WHEEL)"; exit 1; }
+	rm -rf $(COMPAT_VENV) && $(PYTHON) -m venv $(COMPAT_VENV)
+	grep -v '^torch==' requirements.txt > $(COMPAT_VENV)/constraints.txt
+	$(COMPAT_BIN)/python -m pip install --quiet --constraint $(COMPAT_VENV)/constraints.txt $(COMPAT_WHEEL)
+	$(COMPAT_BIN)/python -m pip install --quiet --constraint $(COMPAT_VENV)/constraints.txt --editable . pytest
+	$(COMPAT_BIN)/python -c 'import torch; v = torch.__version__; print("make compat: torch", v, "kept by pip install -e ."); \
+	  assert v.split("+")[0] == "$(COMPAT_TORCH)", "pip replaced torch $(COMPAT_TORCH) with " + v'
+	@touch $@
+
+compat: $(COMPAT_VENV)/.installed
+	@$(COMPAT_BIN)/python -c 'import torch; print("make compat: torch", torch.__version__, "in $(COMPAT_VENV)")'
+	$(COMPAT_BIN)/python -m pytest tests/compat --confcutdir=tests/compat -p no:cacheprovider -q
 
 # Merge the profile's latest results into its paper (cpu: paper/; ci, gpu: papermill_runs/out/<profile>/paper/).
 paper: $(STAMP)

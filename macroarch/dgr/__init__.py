@@ -7,7 +7,7 @@ during backward (sync or interleaved with delays), and DC-ASGD delay compensatio
 - ``wrapper``: ``DGRWrapper(module, group_size=8, ...)``, the post's API.
 """
 
-from macroarch.dgr.compensation import (
+from macroarch.optim.compensation import (
     DC_ASGD_A_LAMBDA,
     DC_ASGD_A_MOMENTUM,
     DC_ASGD_C_LAMBDA,

@@ -201,7 +201,7 @@ def _find_stacks(model: nn.Module) -> list[list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------- grouping
-def _check_group_size(group_size: Any) -> int:
+def check_group_size(group_size: Any) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be a positive int (blocks per group)")
     return group_size
@@ -209,7 +209,7 @@ def _check_group_size(group_size: Any) -> int:
 
 def group_parameters(module: nn.Module, output: Any, group_size: int = 8, *, strict: bool = False) -> Grouping:
     """Group ``module``'s trainable parameters from ``output``, the result of a forward pass (module docstring)."""
-    _check_group_size(group_size)
+    check_group_size(group_size)
     names_of: dict[int, list[str]] = {}
     param_of: dict[int, nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
@@ -325,7 +325,7 @@ def build_groups(
     forked, so dropout draws nothing from the training stream, and buffers (BatchNorm statistics) are
     restored. No backward pass is run.
     """
-    _check_group_size(group_size)
+    check_group_size(group_size)
     devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     saved = {name: b.detach().clone() for name, b in module.named_buffers()}
     with torch.random.fork_rng(devices=devices), torch.enable_grad():

@@ -13,7 +13,7 @@ right away, while backward carries on with the layers below:
   whose groups run asynchronously would apply it (default: g's index in backward order, so the output side
   is fresh and the input side most stale, as in PipeDream). Each gradient is queued with a copy of the
   group's weights at the time it was computed (``w_then``); when it comes due, the ``GradientCompensator``
-  (DC-ASGD, ``macroarch.dgr.compensation``) corrects it with ``w_now - w_then``, or it is applied as it is
+  (DC-ASGD, ``macroarch.optim.compensation``) corrects it with ``w_now - w_then``, or it is applied as it is
   when no compensator is given. Memory: group g holds ``delays[g]`` gradients and weight copies, i.e.
   ``2 * delays[g]`` times its parameter bytes; with the default delays and G equal groups that is about
   ``G - 1`` times the model. For the first ``delays[g]`` steps group g applies nothing (pipeline fill).
@@ -94,7 +94,7 @@ import torch
 
 from macroarch._compat.autograd import at_backward_end, backward_pass_id
 from macroarch._compat.subclass import torch_function_disabled
-from macroarch.dgr.compensation import GradientCompensator
+from macroarch.optim.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
 from macroarch.optim.functional import all_finite, finite_checked, local
 

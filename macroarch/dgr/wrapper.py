@@ -10,7 +10,7 @@ of DGR in this package:
   ``DGROptimizer``, a ``torch.optim.Optimizer`` with one param group per DGR group that updates groups
   during backward, so the loop stays ``loss.backward(); opt.step(); opt.zero_grad()`` and LR schedulers
   and ``state_dict()`` work;
-- compensation (``macroarch.dgr.compensation``): the ``GradientCompensator`` used in interleaved mode.
+- compensation (``macroarch.optim.compensation``): the ``GradientCompensator`` used in interleaved mode.
 
 Usage::
 
@@ -33,9 +33,17 @@ One optimizer per wrapper: ``optimizer()`` called again closes the previous one 
 The schedule is ``wrapper.pipeline_config`` (a ``PipelineConfig``). Attributes the wrapper does not have are
 read from the wrapped model (``wrapper.config`` is the model's ``config``, likewise ``loss_type``,
 ``save_pretrained`` ...), so code that reads or sets ``model.config`` (``transformers.Trainer``) works on the
-wrapper as on the model; ``accepts_loss_kwargs`` follows the wrapped forward. With HF Trainer use
+wrapper as on the model; ``accepts_loss_kwargs`` and ``inspect.signature(wrapper.forward)`` follow the wrapped
+forward (Trainer keeps only the dataset columns that signature names). With HF Trainer use
 ``macroarch.integrations.MacroTrainer``, which keeps ``max_grad_norm``, gradient accumulation and the LR
-schedule right, logs the real gradient norm, and saves the wrapped model.
+schedule right, logs the real gradient norm, and saves the wrapped model: a plain ``Trainer`` trains, but
+its clipping sees no gradient (DGR has stepped and freed them), so ``max_grad_norm`` does nothing and it logs
+``grad_norm`` 0, and without ``optimizers=(wrapper.optimizer(...), None)`` it builds an optimizer of its own and
+DGR does nothing; either is said once, at the first step or forward (a ``UserWarning`` naming ``MacroTrainer``).
+
+Clipping belongs to DGR (``max_grad_norm=``): ``torch.nn.utils.clip_grad_norm_`` or
+``accelerator.clip_grad_norm_`` after ``backward()`` finds no gradient of a group that has stepped, and
+returns 0.
 
 Deviation from the post: its snippet builds the optimizer inside the wrapper implicitly; here the
 optimizer class is the caller's choice, and everything DGR adds lives in the returned optimizer.
@@ -44,15 +52,17 @@ optimizer class is the caller's choice, and everything DGR adds lives in the ret
 from __future__ import annotations
 
 import inspect
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from macroarch.dgr.compensation import GradientCompensator
-from macroarch.dgr.grouping import Grouping, _check_group_size, build_groups, group_parameters
+from macroarch.dgr.grouping import Grouping, build_groups, check_group_size, group_parameters
 from macroarch.dgr.pipeline import DGROptimizer, PipelineConfig
+from macroarch.optim.compensation import GradientCompensator
 
 _PREFIX = "module."
 
@@ -83,6 +93,87 @@ def _report_without_prefix(module: nn.Module, incompatible_keys: Any) -> None:
 def _listed(value: Any) -> Any:
     """A sequence argument as a tuple (the frozen config's form); anything else unchanged."""
     return tuple(value) if isinstance(value, list | tuple) else value
+
+
+class _SignedForward:
+    """``DGRWrapper.forward``: the wrapper's forward, whose ``inspect.signature`` on an instance is the wrapped
+    module's forward's. ``transformers.Trainer`` keeps only the dataset columns that the model's forward names
+    and would drop every column for ``(*args, **kwargs)`` ("The batch received was empty"). A non-data
+    descriptor, so that assigning ``wrapper.forward`` (accelerate's mixed precision does) still works."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __get__(self, wrapper: DGRWrapper | None, owner: type | None = None) -> Any:
+        return self.function if wrapper is None else _BoundForward(self.function, wrapper)
+
+
+class _BoundForward:
+    """``wrapper.forward`` bound to its wrapper, signed as the wrapped module's forward (``_SignedForward``)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function: Callable[..., Any], wrapper: DGRWrapper) -> None:
+        self.__func__, self.__self__ = function, wrapper
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__.module.forward)
+
+
+def _plain_trainer() -> Any:
+    """The ``transformers.Trainer`` whose method is on the call stack, unless it is a ``MacroTrainer`` (or a
+    subclass of it); None if there is none, also when transformers is not loaded (nothing is imported here).
+    Trainer offers no hook through which a model or optimizer could learn that a plain Trainer drives it."""
+    trainer_cls = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    if trainer_cls is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), trainer_cls):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    trainer = frame.f_locals["self"]
+    macro_trainer = getattr(sys.modules.get("macroarch.integrations"), "MacroTrainer", None)
+    return None if macro_trainer is not None and isinstance(trainer, macro_trainer) else trainer
+
+
+def _warn_if_trainer_bypasses_dgr(wrapper: DGRWrapper) -> None:
+    """At a wrapper's first forward with gradients and no DGR optimizer: under a plain ``transformers.Trainer``,
+    Trainer has built an optimizer of its own over the wrapper's parameters, so DGR does nothing. Warn once."""
+    trainer = _plain_trainer()
+    if trainer is not None:
+        warnings.warn(
+            f"{type(trainer).__name__} (transformers.Trainer) is training a DGRWrapper with an optimizer of its own "
+            f"({type(trainer.optimizer).__name__}): no DGR optimizer exists, so DGR updates nothing and this is "
+            "plain training. Use macroarch.integrations.MacroTrainer (same arguments), which builds the DGR "
+            "optimizer from Trainer's optimizer settings, or pass optimizers=(wrapper.optimizer(...), None)",
+            UserWarning, stacklevel=4)
+
+
+def _check_the_loop_at_first_step(optimizer: DGROptimizer) -> None:
+    """At ``optimizer``'s first ``step()``, warn once if a plain ``transformers.Trainer`` drives it: its clipping
+    and gradient norm silently do nothing under DGR (module docstring). ``MacroTrainer`` is the fix."""
+
+    def check(opt: Any, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        trainer = _plain_trainer()
+        if trainer is None:
+            return
+        max_norm = trainer.args.max_grad_norm
+        clipping = (f"its gradient clipping (max_grad_norm={max_norm}) clips nothing and "
+                    if max_norm and max_norm > 0 else "")
+        warnings.warn(
+            f"{type(trainer).__name__} (transformers.Trainer) is training with a DGR optimizer: DGR updates each "
+            f"group during backward and frees its gradients, so {clipping}the grad_norm it logs is 0. Use "
+            "macroarch.integrations.MacroTrainer (same arguments): max_grad_norm becomes DGR's per-group clipping, "
+            "the logged grad_norm is the real one, and DGR's accumulation follows gradient_accumulation_steps",
+            UserWarning, stacklevel=4)
+
+    handle = optimizer.register_step_pre_hook(check)
 
 
 class DGRWrapper(nn.Module):
@@ -127,7 +218,7 @@ class DGRWrapper(nn.Module):
         if compensator is not None and not isinstance(compensator, GradientCompensator):
             raise ValueError(f"compensator={compensator!r} must be a GradientCompensator or None")
         self.module = module
-        self.group_size = _check_group_size(group_size)
+        self.group_size = check_group_size(group_size)
         self.strict = strict
         self.pipeline_config = PipelineConfig(
             mode=mode, delays=_listed(delays), accumulation_steps=accumulation_steps,
@@ -137,18 +228,24 @@ class DGRWrapper(nn.Module):
         self.compensator = compensator
         self.grouping: Grouping | None = None
         self._optimizer: DGROptimizer | None = None
+        self._loop_checked = False  # whether a forward has checked for a Trainer that bypasses DGR
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
         self.register_load_state_dict_post_hook(_report_without_prefix)
         if example_inputs is not None or loss_fn is not None:
             self.build_groups(example_inputs, loss_fn=loss_fn)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._optimizer is None and not self._loop_checked and torch.is_grad_enabled():
+            self._loop_checked = True
+            _warn_if_trainer_bypasses_dgr(self)
         output = self.module(*args, **kwargs)
         if self.grouping is None and torch.is_grad_enabled():
             # The first forward with a graph: group from it, no extra pass needed.
             self.grouping = group_parameters(self.module, output, self.group_size, strict=self.strict)
         return output
+
+    forward = _SignedForward(_forward)
 
     def build_groups(self, example: Any = None, *, loss_fn: Callable[..., Any] | None = None) -> Grouping:
         """(Re)build the groups from one forward pass on ``example`` (see ``grouping.build_groups``)."""
@@ -167,6 +264,7 @@ class DGRWrapper(nn.Module):
             self._optimizer.close()
         self._optimizer = DGROptimizer(self.grouping, optimizer_cls, self.pipeline_config, self.compensator,
                                        **optimizer_kwargs)
+        _check_the_loop_at_first_step(self._optimizer)
         return self._optimizer
 
     def __getattr__(self, name: str) -> Any:

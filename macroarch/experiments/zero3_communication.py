@@ -319,7 +319,7 @@ def packed_ranks(workload: dict, formats: list[str], block_size: int, steps: int
 def _eager_kernels() -> Iterator[None]:
     """MVAS's kernels eager (``MACROARCH_COMPILE=0``): a few steps of a small model count bytes, not speed, and
     compiling them would cost each rank seconds."""
-    from macroarch.mvas._kernels import ENV
+    from macroarch.mvas import COMPILE_ENV as ENV
 
     previous = os.environ.get(ENV)
     os.environ[ENV] = "0"

@@ -26,6 +26,7 @@ Usage::
     opt = mvas.MVASAdamW(model.parameters(), lr=3e-4)
 """
 
+from macroarch.mvas._kernels import ENV as COMPILE_ENV
 from macroarch.mvas._kernels import compile_stats, reset_compile_stats
 from macroarch.mvas.codecs.formats import (
     ALIASES,
@@ -134,6 +135,7 @@ __all__ = [
     "split_rules",
     "storage_bytes",
     "unpack",
+    "COMPILE_ENV",
     "compile_stats",
     "reset_compile_stats",
 ]

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from macroarch.dgr.compensation import GradientCompensator
+from macroarch.optim.compensation import GradientCompensator
 from macroarch.optim._state import restore_saved_state
 from macroarch.optim.functional import adamw_step_, agree, check_hyperparameters, local, locally_finite, owned_params
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig

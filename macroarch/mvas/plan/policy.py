@@ -120,7 +120,7 @@ class PrecisionPlan:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _named_tensors(tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     items = list(tensors.named_parameters() if isinstance(tensors, nn.Module)
                  else tensors.items() if isinstance(tensors, Mapping) else tensors)
     for name, t in items:
@@ -142,7 +142,7 @@ def matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")
 
 
-def _block_for(numel: int, fmt: str, block_size: int | None) -> int | None:
+def block_for(numel: int, fmt: str, block_size: int | None) -> int | None:
     """``block_size`` if it divides ``numel`` (and the format has scales), else one scale per tensor."""
     if not get_format(fmt).block_scaled or block_size is None or block_size == -1 or numel % block_size:
         return None
@@ -151,7 +151,7 @@ def _block_for(numel: int, fmt: str, block_size: int | None) -> int | None:
 
 def _entry(name: str, t: torch.Tensor, fmt: str, block_size: int | None, reason: str) -> TensorPlan:
     fmt = get_format(fmt).name
-    return TensorPlan(name, t.numel(), t.dtype, fmt, _block_for(t.numel(), fmt, block_size), reason)
+    return TensorPlan(name, t.numel(), t.dtype, fmt, block_for(t.numel(), fmt, block_size), reason)
 
 
 def _keep_entry(name: str, t: torch.Tensor, reason: str) -> TensorPlan:
@@ -162,7 +162,7 @@ def packable(tensors: NamedTensors, min_numel: int = MIN_NUMEL,
              keep_patterns: Sequence[str] = DEFAULT_KEEP_PATTERNS) -> tuple[dict[str, torch.Tensor], int]:
     """The tensors a plan may store in another format (not kept by ``min_numel``/``keep_patterns``), and the
     bytes of the others in their own dtype: what a budget stated per packable weight is computed from."""
-    items = _named_tensors(tensors)
+    items = named_tensors(tensors)
     eligible = {n: t for n, t in items if _kept(n, t.numel(), min_numel, keep_patterns) is None}
     kept = sum(t.numel() * t.element_size() for n, t in items if n not in eligible)
     return eligible, kept
@@ -181,7 +181,7 @@ def plan_from_rules(tensors: NamedTensors, rules: Sequence[Rule], *, block_size:
         except ValueError as e:
             raise ValueError(f"rule {i} {tuple(rule)!r}: {e}") from None
     entries = []
-    for name, t in _named_tensors(tensors):
+    for name, t in named_tensors(tensors):
         if (why := _kept(name, t.numel(), min_numel, keep_patterns)) is not None:
             entries.append(_keep_entry(name, t, why))
         elif (rule := next((r for r in rules if matches(name, r[0])), None)) is not None:
@@ -227,7 +227,7 @@ def plan_for_budget(tensors: NamedTensors, sensitivity: Mapping[str, Mapping[str
     formats = [get_format(f).name for f in formats]
     if not formats or len(set(formats)) != len(formats):
         raise ValueError(f"formats must be distinct and non-empty; got {formats}")
-    items = _named_tensors(tensors)
+    items = named_tensors(tensors)
     if target_bytes is None:
         dense = sum(t.numel() * (t.dtype if baseline is None else baseline).itemsize for _, t in items)
         target_bytes = int((1.0 - target_reduction) * dense)
@@ -242,7 +242,7 @@ def plan_for_budget(tensors: NamedTensors, sensitivity: Mapping[str, Mapping[str
     options = {}
     for name, t in candidates:
         sens = _sensitivities(name, t, formats, sensitivity, block_size)
-        options[name] = [(storage_bytes(t.numel(), f, _block_for(t.numel(), f, block_size)), sens[f], f)
+        options[name] = [(storage_bytes(t.numel(), f, block_for(t.numel(), f, block_size)), sens[f], f)
                          for f in formats]
     fixed_bytes = sum(e.nbytes for e in fixed)
     smallest = fixed_bytes + sum(min(o[0] for o in opts) for opts in options.values())
@@ -284,7 +284,7 @@ def _sensitivities(name: str, t: torch.Tensor, formats: Sequence[str],
         if t.device.type == "meta" or type(t).__name__ == "FakeTensor":
             raise ValueError(f"tensor {name!r} has no values (meta/fake): the squared-error proxy needs real "
                              "tensors; pass sensitivity (e.g. measured on a smaller model)")
-        return {f: quantization_error(t, f, _block_for(t.numel(), f, block_size)) for f in formats}
+        return {f: quantization_error(t, f, block_for(t.numel(), f, block_size)) for f in formats}
     if name not in sensitivity:
         raise ValueError(f"sensitivity has no entry for tensor {name!r}")
     given = {get_format(f).name: float(v) for f, v in sensitivity[name].items()}
@@ -322,7 +322,7 @@ def transfer_plan(plan: PrecisionPlan, tensors: NamedTensors, *, depth: str = "r
             key = (t.format, t.block_size, t.format == dtype_format(t.dtype).name)
             roles.setdefault(role, {}).setdefault(key, 0)
             roles[role][key] += t.numel
-    items = _named_tensors(tensors)
+    items = named_tensors(tensors)
     target_layers = sorted({int(m.group(1)) for name, _ in items if (m := _LAYER_INDEX.search(name))})
     entries = []
     for name, t in items:

@@ -38,8 +38,8 @@ from macroarch.mvas.plan.policy import (
     MIN_NUMEL,
     NamedTensors,
     PrecisionPlan,
-    _block_for,
-    _named_tensors,
+    block_for,
+    named_tensors,
     packable,
     plan_for_budget,
 )
@@ -80,7 +80,7 @@ def importance_plan(tensors: NamedTensors, importance: Mapping[str, torch.Tensor
     Give ``target_bytes`` for all tensors, or ``weight_bytes``: the mean bytes per element of the tensors that
     are not kept (``min_numel``, ``keep_patterns``), the kept ones costing their own dtype.
     """
-    items = dict(_named_tensors(tensors))
+    items = dict(named_tensors(tensors))
     eligible, kept = packable(items, min_numel, keep_patterns)
     if (target_bytes is None) == (weight_bytes is None):
         raise ValueError("give exactly one of target_bytes and weight_bytes")
@@ -91,7 +91,7 @@ def importance_plan(tensors: NamedTensors, importance: Mapping[str, torch.Tensor
         raise ValueError(f"importance has no diagonal for {len(missing)} tensors to plan, e.g. {missing[0]!r}")
     formats = [get_format(f).name for f in formats]
     sens = {n: {f: 0.5 * float((importance[n].double() * expected_rounding_error(
-        t, f, _block_for(t.numel(), f, block_size)).double()).sum()) for f in formats} for n, t in eligible.items()}
+        t, f, block_for(t.numel(), f, block_size)).double()).sum()) for f in formats} for n, t in eligible.items()}
     return plan_for_budget(items, sens, target_bytes=target_bytes, formats=formats, block_size=block_size,
                            min_numel=min_numel, keep_patterns=keep_patterns)
 
