@@ -47,7 +47,8 @@ compat: $(COMPAT_VENV)/.installed
 	@$(COMPAT_BIN)/python -c 'import torch; print("make compat: torch", torch.__version__, "in $(COMPAT_VENV)")'
 	$(COMPAT_BIN)/python -m pytest tests/compat --confcutdir=tests/compat -p no:cacheprovider -q
 
-# Merge the profile's latest results into its paper (cpu: paper/; ci, gpu: papermill_runs/out/<profile>/paper/).
+# Merge the profile's latest results into its paper, claims.md, reproduction.md and reproduction.pdf (cpu: paper/;
+# ci, gpu: papermill_runs/out/<profile>/paper/).
 paper: $(STAMP)
 	$(BIN)/macroarch paper --profile $(PROFILE)
 

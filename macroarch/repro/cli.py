@@ -23,14 +23,21 @@ EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 1, 2, 75, 130
 def _cmd_reproduce(args: argparse.Namespace) -> int:
     from macroarch.repro import paper, runner
 
-    outcomes = runner.reproduce(args.profile, only=args.only, force=args.force)
+    outcomes = runner.reproduce(args.profile, only=args.only, force=args.force, jobs=args.jobs,
+                                seed_offset=args.seed_offset)
     if not args.no_paper:
-        records = paper.collect(args.profile)
-        with runner.ProfileLock(args.profile):
-            where = paper.build(args.profile, records=records)
+        if args.seed_offset:  # a paper of its own, beside its results: the profile's paper stays offset 0's
+            out = runner.results_root(args.seed_offset)
+            records = paper.from_results(args.profile, out)
+            with runner.ProfileLock(args.profile, out):
+                where = paper.build(args.profile, records=records, paper_dir=out / args.profile / "paper")
+        else:
+            records = paper.collect(args.profile)
+            with runner.ProfileLock(args.profile):
+                where = paper.build(args.profile, records=records)
         print(f"paper of profile {args.profile} written to {_shown(where)}/ (claims.md, reproduction.md, figures/, "
               f"evidence/)")
-    return EXIT_FAILED if any(o.status == "failed" for o in outcomes) else 0
+    return EXIT_FAILED if any(o.status in ("failed", "interrupted") for o in outcomes) else 0
 
 
 def _cmd_paper(args: argparse.Namespace) -> int:
@@ -38,7 +45,7 @@ def _cmd_paper(args: argparse.Namespace) -> int:
 
     records = paper.collect(args.profile, args.source)  # everything read before the paper is touched
     with runner.ProfileLock(args.profile):
-        where = paper.build(args.profile, source=args.source, records=records)
+        where = paper.build(args.profile, source=args.source, records=records, pdf=not args.no_pdf)
     states = ", ".join(f"{n} {s}" for s in paper.STATES if (n := sum(r.state == s for r in records.values())))
     print(f"paper of profile {args.profile} written to {_shown(where)}/ from {args.source}: "
           f"{len(records)} claim(s) updated ({states or 'none'})")
@@ -63,6 +70,14 @@ def claims_markdown() -> str:
     for cid, c in CLAIMS.items():
         lines.append(f"| {cid} | {c.section} | {cell(c.statement)} | {cell(c.target_text)} | {cell(c.grading_text)} "
                      f"| `{c.notebook}` |")
+    lines += ["", "How each target is graded (fixed before any run grades it): the target region, the no-effect "
+              "band with its reason, the direction, the confidence the interval must have, and what a bare "
+              "number under the metric is taken for:", "",
+              "| id | metric | direction | target region | no-effect band | confidence | a bare number is | "
+              "why the band |", "|---|---|---|---|---|---|---|---|"]
+    for cid, c in CLAIMS.items():
+        lines += [f"| {cid} | `{t.metric}` | {t.direction} | {cell(t.region_text())} | {t.band_text()} | "
+                  f"{t.confidence:.0%} | {cell(t.bare_number_text())} | {cell(t.reason)} |" for t in c.targets]
     lines += ["", "What counts as measuring each claim:", "", "| id | measured by |", "|---|---|"]
     lines += [f"| {cid} | {cell(c.measures)} |" for cid, c in CLAIMS.items()]
     return "\n".join(lines) + "\n"
@@ -199,11 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--only", metavar="IDS", help="comma-separated claim ids, e.g. C4,C7")
     r.add_argument("--force", action="store_true", help="re-run notebooks whose results are up to date")
     r.add_argument("--no-paper", action="store_true", help="do not update the paper afterwards")
+    r.add_argument("--jobs", type=int, metavar="N",
+                   help="notebooks run at once, each pinned to cores of its own (its 'threads'; the ones the profile "
+                        "marks exclusive run alone on all cores); default: as many as fit on the cores this process "
+                        "may use")
+    r.add_argument("--seed-offset", type=int, default=0, metavar="K",
+                   help="add K (0 or more) to every notebook's 'seed' parameter, for a second, independent run; "
+                        "results and their paper go to papermill_runs/out/seed<K>/<profile>/ (the profile's own "
+                        "paper stays built from offset 0); default 0")
     r.set_defaults(fn=_cmd_reproduce)
 
     pp = sub.add_parser("paper", help="merge a profile's latest runs into its paper (cpu: paper/; others: "
                                       "papermill_runs/out/<profile>/paper/)")
-    pp.add_argument("--profile", default="cpu")
+    pp.add_argument("--profile", default="cpu", help="the profile whose paper to build: ci, cpu (paper/) or gpu")
+    pp.add_argument("--no-pdf", action="store_true", help="write reproduction.md only, not reproduction.pdf")
     pp.add_argument("--source", default="results", help="results (result.json files) or wandb (offline runs)")
     pp.set_defaults(fn=_cmd_paper)
 

@@ -12,6 +12,9 @@ The paper never lies by omission. Each claim's row shows the real state of its l
 - ``running``: a run in progress right now;
 - ``not yet measured``: no run of this claim for this profile, ever.
 
+The report itself (``reproduction.md`` and ``reproduction.pdf``: summary, methods, statistics, one section
+per claim, provenance, appendix) is built by :mod:`macroarch.repro.report` from the merged records.
+
 A paper belongs to one profile. It keeps its own copy of what it shows: ``data/<claim>.json`` (the row's
 record), ``figures/`` and ``evidence/`` (the executed notebooks, so every evidence link resolves, in a clone
 too). Building it *merges*: a claim whose run is newer than the paper's record replaces that record, every
@@ -31,7 +34,8 @@ from typing import Any
 
 from macroarch.config import ConfigError
 from macroarch.paths import check_profile, out_root, project_root, wandb_root
-from macroarch.repro.claims import CLAIMS, Claim
+from macroarch.repro import report
+from macroarch.repro.claims import CLAIMS
 from macroarch.repro.tracking import (
     COMPLETE,
     FAILED,
@@ -327,81 +331,24 @@ def claims_table(records: Mapping[str, ClaimRecord], paper: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _metric_value(name: str, v: Any) -> str:
-    """Numbers as recorded; byte counts (metrics named ``*_bytes``) also in decimal GB, as the post counts."""
-    text = f"{v:.6g}" if isinstance(v, float) else str(v)
-    if name.endswith("_bytes") and isinstance(v, (int, float)) and abs(v) >= 1e6:
-        text += f" ({v / 1e9:,.2f} GB)"
-    return text
-
-
-def _section(r: ClaimRecord, claim: Claim, paper: Path) -> list[str]:
-    v = r.verdict or {}
-    title = v.get("grade") if r.state == MEASURED else r.state
-    lines = [f"## {r.claim} (section {claim.section}): {title}", "", f"> {claim.statement}", ""]
-    if r.state == MEASURED:
-        lines += [f"- Measured: {v.get('measured')}", f"- Target: {v.get('target')}", f"- Scale: {v.get('scale')}"]
-        if v.get("note"):
-            lines.append(f"- Note: {v['note']}")
-    elif r.state == FAILED:
-        lines.append(f"- Failed: {r.error}")
-    lines += [f"- What counts as measuring it: {claim.measures}", f"- Run: {_run_text(r)}",
-              f"- Evidence: {_evidence(r, paper)}"]
-    if r.wandb_run:
-        lines.append(f"  (W&B artifact `evidence-{r.claim}-{r.profile}` of run `{r.wandb_run}`: result.json, "
-                     "figures, executed notebook)")
-    lines.append("")
-    for name in sorted(r.figures):
-        lines += [f"![{r.claim} {name}](figures/{r.claim}_{name}.png)", ""]
-    if r.metrics:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_metric_value(k, r.metrics[k])} |" for k in sorted(r.metrics)]
-        lines.append("")
-    return lines
-
-
-def report(records: Mapping[str, ClaimRecord], profile: str, paper: Path, source: str) -> str:
-    counts = {s: sum(r.state == s for r in records.values()) for s in STATES}
-    counts[NOT_MEASURED] = len(CLAIMS) - len(records)
-    lines = [
-        "# Reproduction report",
-        "",
-        "Every claim of the post (see `docs/claims.md`), measured by one notebook and graded by the rule in",
-        "`macroarch/repro/claims.py`. Numbers below are read from the runs; nothing here was typed in by hand.",
-        "",
-        f"Profile: `{profile}`; last built from: {source}; " +
-        ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f" (of {len(CLAIMS)} claims).",
-        "",
-        "## Verdicts",
-        "",
-        claims_table(records, paper),
-    ]
-    for cid, claim in CLAIMS.items():
-        if cid in records:
-            lines += _section(records[cid], claim, paper)
-    pending = [c for c in CLAIMS if c not in records]
-    if pending:
-        lines += ["## Not yet measured", "", ", ".join(pending), ""]
-    return "\n".join(lines)
-
-
 def build(profile: str = PAPER_PROFILE, *, source: str = "results", paper_dir: Path | None = None,
-          records: Mapping[str, ClaimRecord] | None = None) -> Path:
+          records: Mapping[str, ClaimRecord] | None = None, pdf: bool = True) -> Path:
     """Merge the latest runs of ``profile`` (from ``source``) into its paper and render it; returns the folder.
 
-    Everything is read before anything is written: a source that fails (no W&B runs, a malformed result
-    file) leaves the paper as it was."""
+    Writes ``claims.md``, ``reproduction.md`` and (``pdf``) ``reproduction.pdf`` (see
+    :mod:`macroarch.repro.report`). Everything is read before anything is written: a source that fails (no
+    W&B runs, a malformed result file) leaves the paper as it was."""
     records = collect(profile, source) if records is None else records
     paper = paper_dir or paper_folder(profile)
     stored = load_records(paper) if (paper / "data").is_dir() else {}
     merged = _store(merge(stored, records), paper)
-    _write_text(paper / "claims.md", f"# Claims and verdicts (profile `{profile}`)\n\n" +
+    write_text(paper / "claims.md", f"# Claims and verdicts (profile `{profile}`)\n\n" +
                 claims_table(merged, paper))
-    _write_text(paper / "reproduction.md", report(merged, profile, paper, source))
+    report.write(report.context(merged, profile, paper, source), pdf=pdf)
     return paper
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.partial")
     tmp.write_text(text, encoding="utf-8")
     tmp.chmod(0o644)

@@ -9,18 +9,27 @@
         parameters: {measured_layers: 2}  # each a parameter of its `parameters` cell, of the declared type
         timeout: 600                      # optional: seconds per cell
         budget: 6m                        # optional: how long the notebook should take here (90s, 6m, 1h)
+        exclusive: true                   # optional: runs alone on all the cores (several processes, timing)
 
 Everything is checked before any kernel starts: a bad profile, notebook, claim id, parameter name, a value of
 the wrong type (against the annotation in the notebook's ``parameters`` cell) or a ``None`` parameter the
 profile leaves without a value raises :class:`ConfigError` naming it. Notebooks whose parameters cell is not
 annotated yet (``name = value`` lines) get a name check only, and their values through papermill.
+
+What a notebook needs of the machine, for the runner's schedule (:mod:`macroarch.repro.runner`): the cores of its
+resolved ``threads`` parameter (1 without one), or all of them alone where the profile marks it ``exclusive``
+(notebooks of several processes, such as gloo ranks, and measurements a neighbour on another core would bias).
+
+A run with a seed offset (``NotebookJob.seed_offset``, ``macroarch reproduce --seed-offset K``) adds ``K`` to the
+notebook's ``seed`` parameter; the offset seed is passed through papermill and is part of the effective
+parameters, so what ran is what is recorded and a run with another offset is another run.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +39,7 @@ from macroarch.repro import notebook as nbparams
 from macroarch.repro.claims import CLAIMS, parse_claim_ids
 
 _PROFILE_KEYS = ("description", "notebooks", "budget")
-_ENTRY_KEYS = ("notebook", "parameters", "timeout", "budget")
+_ENTRY_KEYS = ("notebook", "parameters", "timeout", "budget", "exclusive")
 
 
 @dataclass(frozen=True)
@@ -44,15 +53,46 @@ class NotebookJob:
     timeout: int | None = None
     budget: float | None = None  # seconds
     annotated: bool = True  # the parameters cell is `name: type = default  # help` (resolves its own sizes)
+    exclusive: bool = False  # runs alone, on all the cores the runner has
+    seed_offset: int = 0  # added to the notebook's `seed` parameter (see has_seed)
 
-    def papermill_parameters(self, profile: str) -> dict[str, Any]:
-        return {"profile": profile} if self.annotated else {**self.parameters, "profile": profile}
+    def with_seed_offset(self, offset: int) -> NotebookJob:
+        return replace(self, seed_offset=offset)
+
+    def papermill_parameters(self, profile: str, root: Path | None = None) -> dict[str, Any]:
+        """What papermill injects: ``profile`` (an annotated notebook resolves the rest itself), and the offset
+        ``seed`` in a run with a seed offset."""
+        if not self.annotated:
+            return {**self._given(profile), "profile": profile}
+        if self.seed_offset and self.has_seed(profile, root):
+            return {"profile": profile, "seed": self.effective_parameters(profile, root)["seed"]}
+        return {"profile": profile}
 
     def effective_parameters(self, profile: str, root: Path | None = None) -> dict[str, Any]:
         """The parameters a run of this notebook would have now (what its result.json config records)."""
         if not self.annotated:
-            return {**self.parameters, "profile": profile}
-        return nbparams.resolve(self.stem, {"profile": profile}, root)
+            return {**self._given(profile), "profile": profile}
+        params = nbparams.resolve(self.stem, {"profile": profile}, root)
+        if self.seed_offset and "seed" in params:
+            params = nbparams.resolve(self.stem, {"profile": profile, "seed": params["seed"] + self.seed_offset}, root)
+        return params
+
+    def has_seed(self, profile: str, root: Path | None = None) -> bool:
+        """Whether a seed offset reaches this notebook: its parameters cell declares ``seed`` (a notebook not
+        converted to annotated parameters: its profile entry gives one)."""
+        if not self.annotated:
+            return "seed" in self.parameters
+        return "seed" in nbparams.notebook_parameters(self.stem, root)
+
+    def threads(self, profile: str, root: Path | None = None) -> int:
+        """The cores this notebook computes on: its resolved ``threads`` parameter, 1 where it has none."""
+        value = self.effective_parameters(profile, root).get("threads")
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+    def _given(self, profile: str) -> dict[str, Any]:
+        if self.seed_offset and isinstance(self.parameters.get("seed"), int):
+            return {**self.parameters, "seed": self.parameters["seed"] + self.seed_offset}
+        return dict(self.parameters)
 
 
 def profile_file(profile: str, root: Path | None = None) -> Path:
@@ -144,9 +184,12 @@ def _job(profile: str, root: Path, path: Path, i: int, entry: dict, default_budg
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
         raise ConfigError(f"{where}: timeout must be a positive whole number of seconds, got {timeout!r}")
     budget = parse_duration(entry["budget"], where) if entry.get("budget") is not None else default_budget
+    exclusive = entry.get("exclusive", False)
+    if not isinstance(exclusive, bool):
+        raise ConfigError(f"{where}: exclusive must be true or false, got {exclusive!r}")
     claims = tuple(c.id for c in CLAIMS.values() if c.notebook == stem)
     return NotebookJob(stem=stem, path=nb, claims=claims, parameters=params, timeout=timeout, budget=budget,
-                       annotated=annotated)
+                       annotated=annotated, exclusive=exclusive)
 
 
 def _check_parameters(nb: Path, profile: str, params: dict[str, Any], where: str) -> bool:

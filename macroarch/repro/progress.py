@@ -1,8 +1,9 @@
-"""What the runner shows while a notebook runs: code cells done / total and the time elapsed, on one line.
+"""What the runner shows while notebooks run: for each, code cells done / total and the time elapsed, one line.
 
 A papermill engine (``NBClientEngine`` with its ``cell_complete`` wrapped) reports each finished code cell;
-:class:`LiveLine` rewrites ``[1/8] 01_gradient_explosion (C2, C3, R1)  cell 12/31, 1m05s`` in place on a
-terminal, every second, and on anything else (a log file, a pipe) prints it every few minutes.
+:class:`Board` shows one line per running notebook, ``[1/8] 01_gradient_explosion (C2, C3, R1)  cell 12/31,
+1m05s, core 0``, rewritten in place on a terminal every second, and on anything else (a log file, a pipe)
+printed every few minutes.
 """
 
 from __future__ import annotations
@@ -53,53 +54,104 @@ def engine(progress: Progress | None) -> str:
     return _ENGINE
 
 
-class LiveLine:
-    """``[1/8] 01_gradient_explosion (C2, C3, R1)  cell 12/31  1m05s`` rewritten in place on a terminal; on
-    anything else (a log file, a pipe) a line every few minutes."""
+class Board:
+    """One line per running notebook, ``[1/8] 01_gradient_explosion (C2, C3, R1)  cell 12/31, 1m05s, core 0``:
+    rewritten in place on a terminal every second (cut to the terminal's width, so that the cursor can go back
+    over them); on anything else (a log file, a pipe) each printed every few minutes.
 
-    def __init__(self, head: str, stream: Any, every_s: float = 300.0) -> None:
-        self.head, self.stream = head, stream
+    :meth:`print` writes a line of its own (a notebook's outcome) above the running ones. Thread-safe: the
+    runner updates it from the threads that read its workers."""
+
+    def __init__(self, stream: Any, echo: Callable[..., Any] = print, every_s: float = 300.0) -> None:
+        self.stream, self.echo = stream, echo
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.cells = (0, 0)
-        self.t0 = time.perf_counter()
         self.every_s = every_s
+        self._rows: dict[str, _Row] = {}  # key -> row, in the order they started
+        self._drawn = 0  # lines on the terminal now
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick, daemon=True)
 
-    def __enter__(self) -> LiveLine:
+    def __enter__(self) -> Board:
         self._thread.start()
         return self
 
-    def update(self, done: int, total: int, _elapsed: float) -> None:
-        self.cells = (done, total)
-        if self.tty:
-            self._draw()
+    def add(self, key: str, head: str, where: str = "") -> None:
+        with self._lock:
+            self._rows[key] = _Row(head, where)
+            self._redraw()
 
-    def text(self) -> str:
-        done, total = self.cells
-        cells = f"cell {min(done + 1, total)}/{total}" if total else "starting"
-        return f"{self.head}  {cells}, {format_duration(time.perf_counter() - self.t0)}"
+    def update(self, key: str, done: int, total: int) -> None:
+        with self._lock:
+            if key in self._rows:
+                self._rows[key].cells = (done, total)
+                self._redraw()
 
-    def _draw(self) -> None:
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self._rows.pop(key, None)
+            self._redraw()
+
+    def print(self, text: str) -> None:
+        """``text`` on a line of its own, the running notebooks' lines below it."""
+        with self._lock:
+            self._erase()
+            self.echo(text, flush=True)
+            self._redraw()
+
+    def texts(self) -> list[str]:
+        with self._lock:
+            return [row.text() for row in self._rows.values()]
+
+    def _redraw(self) -> None:
+        if not self.tty:
+            return
+        import shutil
+
+        width = max(20, shutil.get_terminal_size().columns - 1)
+        lines = [t[:width] for t in self.texts()]
         with contextlib.suppress(Exception):
-            self.stream.write("\r\x1b[2K" + self.text())
+            self.stream.write(self._erase_text() + "\n".join(lines))
             self.stream.flush()
+        self._drawn = len(lines)
+
+    def _erase(self) -> None:
+        if self.tty and self._drawn:
+            with contextlib.suppress(Exception):
+                self.stream.write(self._erase_text())
+                self.stream.flush()
+            self._drawn = 0
+
+    def _erase_text(self) -> str:
+        return "\r\x1b[2K" + "\x1b[1A\x1b[2K" * max(0, self._drawn - 1)
 
     def _tick(self) -> None:
         last = time.perf_counter()
         while not self._stop.wait(1.0):
-            if self.tty:
-                self._draw()
-            elif time.perf_counter() - last >= self.every_s:
-                last = time.perf_counter()
-                with contextlib.suppress(Exception):
-                    self.stream.write(f"  ... {self.text()}\n")
-                    self.stream.flush()
+            with self._lock:
+                if self.tty:
+                    self._redraw()
+                elif time.perf_counter() - last >= self.every_s:
+                    last = time.perf_counter()
+                    with contextlib.suppress(Exception):
+                        self.stream.write("".join(f"  ... {t}\n" for t in self.texts()))
+                        self.stream.flush()
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join()
-        if self.tty:
-            with contextlib.suppress(Exception):
-                self.stream.write("\r\x1b[2K")
-                self.stream.flush()
+        with self._lock:
+            self._erase()
+
+
+class _Row:
+    def __init__(self, head: str, where: str) -> None:
+        self.head, self.where = head, where
+        self.cells = (0, 0)
+        self.t0 = time.perf_counter()
+
+    def text(self) -> str:
+        done, total = self.cells
+        cells = f"cell {min(done + 1, total)}/{total}" if total else "starting"
+        where = f", {self.where}" if self.where else ""
+        return f"{self.head}  {cells}, {format_duration(time.perf_counter() - self.t0)}{where}"

@@ -312,6 +312,10 @@ class Run:
         if error is None and not self._verdict_set:
             error = RuntimeError(f"run {self.claim}/{self.profile} ended without a verdict")
         self._data["finished"] = _now()
+        # what this kernel process spent compiling MVAS kernels (cumulative: the runner takes the largest over a
+        # notebook's claims); read only where mvas is already imported, so a run without MVAS pays nothing
+        mvas = sys.modules.get("macroarch.mvas")
+        self._data["compile"] = dict(mvas.compile_stats()) if mvas is not None else None
         if error is None:
             self._data["status"] = COMPLETE
         else:  # a KeyboardInterrupt is the stop button, or the runner's Ctrl-C: not a failure of the claim

@@ -71,8 +71,8 @@ def test_notebook_runs_under_ci_profile(job, isolated):
         assert read_result(art.files["result.json"])["verdict"] == r["verdict"]
 
     # The paper built from the result files and from the W&B offline runs read back is the same.
-    a = paper.build("ci", source="results", paper_dir=isolated / "paper_results")
-    b = paper.build("ci", source="wandb", paper_dir=isolated / "paper_wandb")
+    a = paper.build("ci", source="results", paper_dir=isolated / "paper_results", pdf=False)
+    b = paper.build("ci", source="wandb", paper_dir=isolated / "paper_wandb", pdf=False)
     assert (a / "claims.md").read_text() == (b / "claims.md").read_text()
     for claim in job.claims:
         row = next(line for line in (a / "claims.md").read_text().splitlines() if line.startswith(f"| {claim} |"))

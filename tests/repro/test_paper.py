@@ -40,9 +40,16 @@ def _row(paper_dir, cid):
 
 
 def _links_resolve(paper_dir):
+    from macroarch.repro.report.document import slug
+
     for md in ("claims.md", "reproduction.md"):
-        for link in re.findall(r"\]\(([^)]+)\)", (paper_dir / md).read_text()):
-            assert (paper_dir / link).is_file(), f"{md} links {link}, which does not exist"
+        text = (paper_dir / md).read_text()
+        anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+        for link in re.findall(r"\]\(([^)]+)\)", text):
+            if link.startswith("#"):
+                assert link[1:] in anchors, f"{md} links {link}, which is no heading of it"
+            elif "://" not in link:
+                assert (paper_dir / link).is_file(), f"{md} links {link}, which does not exist"
 
 
 def test_results_and_wandb_give_the_same_paper(isolated):
@@ -51,7 +58,7 @@ def test_results_and_wandb_give_the_same_paper(isolated):
     _record("cpu", 1.0e12)  # another profile must not leak in
     _fail("ci")
     a = paper.build("ci", source="results", paper_dir=isolated / "a")
-    b = paper.build("ci", source="wandb", paper_dir=isolated / "b")
+    b = paper.build("ci", source="wandb", paper_dir=isolated / "b", pdf=False)
     claims_a, claims_b = (a / "claims.md").read_text(), (b / "claims.md").read_text()
     assert claims_a == claims_b
     c4 = _row(a, "C4")
@@ -64,7 +71,8 @@ def test_results_and_wandb_give_the_same_paper(isolated):
     rep_a = (a / "reproduction.md").read_text().replace("last built from: results", "")
     rep_b = (b / "reproduction.md").read_text().replace("last built from: wandb", "")
     assert rep_a == rep_b
-    assert "![C4 bytes](figures/C4_bytes.png)" in rep_a and "| odd | 0.333333 |" in rep_a
+    assert "![C4 bytes](figures/C4_bytes.png)" in rep_a and "| `odd` | 0.333333 | - |" in rep_a  # the appendix
+    assert (a / "reproduction.pdf").stat().st_size > 0 and not (b / "reproduction.pdf").exists()
     assert (a / "figures" / "C4_bytes.png").read_bytes() == (b / "figures" / "C4_bytes.png").read_bytes()
     assert sorted(p.name for p in (a / "data").iterdir()) == ["C4.json", "C5.json"]
 
@@ -83,7 +91,7 @@ def test_every_state_is_shown_and_links_resolve(isolated, monkeypatch):
     write_json_atomic(result_path("C7", "ci"), {**base, "claim": "C7", "status": "running",
                                                 "pid": __import__("os").getpid(),
                                                 "host": __import__("socket").gethostname()})
-    p = paper.build("ci", paper_dir=isolated / "p")
+    p = paper.build("ci", paper_dir=isolated / "p", pdf=False)
     assert "**failed**: RuntimeError: late failure" in _row(p, "C5")
     assert "[03_zero3_communication.failed](evidence/03_zero3_communication.failed.ipynb)" in _row(p, "C5")
     assert "**interrupted**" in _row(p, "C6")  # says running, but its process is gone
@@ -98,20 +106,20 @@ def test_a_run_of_some_claims_merges_into_the_paper(isolated, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     _record("ci", 1.4e12)
     _record("ci", 2e12, claim="C5")
-    p = paper.build("ci", paper_dir=isolated / "p")
+    p = paper.build("ci", paper_dir=isolated / "p", pdf=False)
     c4_row, c4_png = _row(p, "C4"), (p / "figures" / "C4_bytes.png").read_bytes()
     # the results go away (a fresh clone, a clean-runs), then one claim is measured again
     import shutil
 
     shutil.rmtree(isolated / "out")
     _record("ci", 3e12, claim="C5")
-    paper.build("ci", paper_dir=p)
+    paper.build("ci", paper_dir=p, pdf=False)
     assert _row(p, "C4") == c4_row and (p / "figures" / "C4_bytes.png").read_bytes() == c4_png
     assert "3e+12" in _row(p, "C5") and "2e+12" not in _row(p, "C5")
     _links_resolve(p)
     # a failing rerun replaces the measured row: the latest run is what the paper shows
     _fail("ci", "C5")
-    paper.build("ci", paper_dir=p)
+    paper.build("ci", paper_dir=p, pdf=False)
     assert "**failed**" in _row(p, "C5") and not (p / "figures" / "C5_bytes.png").exists()
 
 
@@ -124,10 +132,10 @@ def test_which_profile_writes_where(isolated, monkeypatch):
 def test_wandb_source_without_runs_is_an_error_and_leaves_the_paper(isolated, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     _record("ci", 1.4e12)
-    p = paper.build("ci", paper_dir=isolated / "p")
+    p = paper.build("ci", paper_dir=isolated / "p", pdf=False)
     before = {f: f.read_bytes() for f in p.rglob("*") if f.is_file()}
     with pytest.raises(ConfigError, match="no W&B runs of profile 'ci'"):
-        paper.build("ci", source="wandb", paper_dir=p)
+        paper.build("ci", source="wandb", paper_dir=p, pdf=False)
     assert {f: f.read_bytes() for f in p.rglob("*") if f.is_file()} == before
 
 

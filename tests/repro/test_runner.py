@@ -29,7 +29,8 @@ def test_failure_is_isolated_resume_skips_fresh_and_budgets_are_reported(project
                              {"notebook": "02_memory_wall", "parameters": {"size": 1}, "budget": 1}],
              budget="10m")
     printed, terminal = [], _Terminal()
-    outcomes = runner.reproduce("ci", echo=lambda text, end="\n", **k: printed.append(text + end), stream=terminal)
+    outcomes = runner.reproduce("ci", jobs=1, echo=lambda text, end="\n", **k: printed.append(text + end),
+                                stream=terminal)  # one at a time: the lines in the profile's order
     lines = "".join(printed).splitlines()
     assert [o.status for o in outcomes] == ["failed", "ok"]
     assert outcomes[0].error == "RuntimeError: deliberate failure ci"  # the first line, not a traceback
