@@ -8,7 +8,9 @@ What needs nothing from here:
   optimizer that cannot write packed weights, raises a ``TypeError`` naming ``MVASAdamW`` at its first step.
   ``model.save_pretrained`` / ``Trainer.save_model`` write dense weights in the training dtype (the values the
   model computes with), so ``from_pretrained`` on a plain model gives the same logits; ``save_pretrained(model,
-  dir, packed=True)`` here writes the packed form, which only ``from_pretrained`` here reads.
+  dir, packed=True)`` here writes the packed form, which only ``from_pretrained`` here reads (a ``README.md``
+  beside it says so). ``safetensors.torch.save_file(model.state_dict())`` refuses managed weights ("non
+  contiguous tensor"): save ``mvas.dense_state_dict(model)``, or the exact packed file with ``mvas.save_packed``.
 - **accelerate**: ``accelerator.prepare(model, optimizer, ...)`` and ``accelerator.accumulate(model)`` work with
   MVAS models and ``MVASAdamW``, and with ``DGRWrapper`` built with ``accumulation_steps`` equal to the
   accelerator's ``gradient_accumulation_steps``. ``save_state`` / ``load_state`` need
@@ -22,7 +24,8 @@ What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assu
   free their gradients, so Trainer's own clipping and gradient norm see nothing (it logs 0 and
   ``max_grad_norm`` does nothing). Here DGR's accumulation follows ``gradient_accumulation_steps``,
   ``max_grad_norm`` becomes DGR's per-group clipping norm (deviation: per group, not global, since a global
-  norm needs every gradient before the first update), and the logged ``grad_norm`` is the norm of the whole
+  norm needs every gradient before the first update; with more than one group it warns once, giving the bound
+  ``sqrt(G) * max_grad_norm`` on the clipped whole), and the logged ``grad_norm`` is the norm of the whole
   gradient before clipping, assembled from the groups as they stepped. Without an optimizer, the DGR optimizer
   is built with Trainer's optimizer class and settings (one weight decay for all, no per-parameter groups).
   The loss of every micro-batch is shown to the DGR optimizer, so a non-finite one skips the step.
@@ -33,8 +36,10 @@ What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assu
   while the LR schedule advanced ``k`` times (use ``master_weights=True`` for fp32 masters).
 - **skipped steps** (a non-finite gradient or loss, a spike-guard skip) do not advance the LR schedule, as
   Trainer does for fp16 overflows.
-- ``Trainer(model=DGRWrapper(...))`` also needs the wrapped model's forward signature (to keep dataset
-  columns) and saving the wrapped model; both are done here.
+- ``Trainer(model=DGRWrapper(...))``: the wrapper's forward has the wrapped model's signature (so Trainer keeps the
+  dataset columns), and here the label names are read from the wrapped model and the wrapped model is what is
+  saved. A plain ``Trainer`` warns once, naming ``MacroTrainer``: at the first step of a DGR optimizer (its clipping
+  and norm see no gradient), or at the first forward of a wrapper it trains with an optimizer of its own (DGR off).
 - **checkpoints**: an MVAS model's checkpoints also hold its packed weights (``mvas.save_packed``), and
   ``resume_from_checkpoint`` restores them bit for bit; with the optimizers' own ``state_dict`` (``DGROptimizer``
   goes through each group's optimizer) a resumed run continues exactly as the uninterrupted one.
@@ -42,8 +47,8 @@ What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assu
 
 from __future__ import annotations
 
-import inspect
 import os
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -123,6 +128,7 @@ class MacroTrainer(Trainer):
                 for group in opt.param_groups:
                     if group["max_grad_norm"] is None:
                         group["max_grad_norm"] = self.args.max_grad_norm
+                _warn_per_group_clipping(opt, self.args.max_grad_norm)
             opt.track_grad_norm = True
         if isinstance(opt, CompensatedAdamW) and opt.accumulation_steps != 1:
             raise ValueError(
@@ -175,13 +181,6 @@ class MacroTrainer(Trainer):
         return super()._get_grad_norm(model, grad_norm)
 
     # ------------------------------------------------------------------------------- DGRWrapper as model
-    def _set_signature_columns_if_needed(self) -> None:
-        wrapper = self._dgr_wrapper()
-        if self._signature_columns is None and wrapper is not None:
-            self._signature_columns = list(inspect.signature(wrapper.module.forward).parameters)
-            self._signature_columns += list({"label", "label_ids", *self.label_names})
-        super()._set_signature_columns_if_needed()
-
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Trainer's save (dense weights, of what a ``DGRWrapper`` wraps), plus the packed weights of an MVAS model
         (``mvas.save_packed`` under ``mvas.PACKED_WEIGHTS_NAME``), which ``_load_from_checkpoint`` restores exactly."""
@@ -215,6 +214,26 @@ class MacroTrainer(Trainer):
         if wrapper is not None:
             return wrapper.module
         return self.accelerator.unwrap_model(self.model) if hasattr(self, "accelerator") else self.model
+
+
+def _warn_per_group_clipping(opt: DGROptimizer, max_norm: float) -> None:
+    """Warn (once per optimizer: ``_configure`` runs once for it) where ``max_grad_norm`` cannot mean what Trainer
+    means by it: Trainer clips the whole gradient's norm, DGR each group's as it steps (module docstring), so with
+    G groups the whole clipped gradient may reach ``sqrt(G) * max_norm``; and a group given its own norm
+    (``DGRWrapper(max_grad_norm=...)``) keeps it."""
+    norms = [group["max_grad_norm"] for group in opt.param_groups]
+    own = sorted({n for n in norms if n != max_norm})
+    if len(norms) < 2 and not own:
+        return
+    message = (f"TrainingArguments(max_grad_norm={max_norm}) under DGR clips each of the {len(norms)} groups' "
+               f"gradients to its norm as the group steps in backward, not the whole gradient's: the clipped "
+               f"gradient's norm can reach {max_norm * len(norms) ** 0.5:.3g} (sqrt({len(norms)}) x {max_norm}), "
+               "since a global norm needs every gradient before the first group updates")
+    if own:
+        message += (f"; {sum(n != max_norm for n in norms)} groups keep the max_grad_norm DGRWrapper gave them "
+                    f"({', '.join(map(str, own))})")
+    warnings.warn(message + ". Set max_grad_norm=0 for no clipping, or choose per-group norms with "
+                  "DGRWrapper(max_grad_norm=...)", UserWarning, stacklevel=3)
 
 
 def _is_managed(model: Any) -> bool:
@@ -270,23 +289,54 @@ def register_mvas_checkpointing(accelerator: Any) -> list[Any]:
     return [accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)]
 
 
+_PACKED_README = """# MVAS-packed weights: not loadable by `from_pretrained` of transformers
+
+`{weights}` holds this model's weights as MVAS stores them (fp8/fp4 payloads with block scales), written by
+`macroarch.integrations.save_pretrained(model, dir, packed=True)`. transformers' `from_pretrained` looks for
+`model.safetensors` or `pytorch_model.bin` and finds neither here ("no file named model.safetensors"). Load it
+with macroarch, bit for bit:
+
+    from macroarch.integrations import from_pretrained
+    model, store = from_pretrained({model_cls}, "this/directory")
+
+For weights that any loader reads, save dense instead: `save_pretrained(model, dir)` (or `model.save_pretrained`),
+the values the model computes with, in its training dtype.
+"""
+
+
 def save_pretrained(model: Any, directory: str | os.PathLike, *, packed: bool = False, **kwargs: Any) -> None:
     """Save an HF model under MVAS: dense weights in the training dtype (``model.save_pretrained``, loadable by
     any ``from_pretrained``), or with ``packed=True`` its config plus the packed weights (``mvas.save_packed``) under
-    ``mvas.PACKED_WEIGHTS_NAME``, which a dense ``from_pretrained`` refuses (no weights file it knows) and
-    ``from_pretrained`` below restores exactly."""
+    ``mvas.PACKED_WEIGHTS_NAME`` and a ``README.md`` saying how to load them: a dense ``from_pretrained`` refuses
+    the directory ("no file named model.safetensors"), and ``from_pretrained`` below restores it exactly.
+
+    For a plain ``state_dict`` file: ``safetensors.torch.save_file(model.state_dict(), ...)`` refuses managed weights
+    ("non contiguous tensor": an ``MVASWeight`` has no dense storage to write); ``mvas.dense_state_dict(model)``
+    is the dense dict to save instead, ``mvas.save_packed(model, path)`` the exact packed file."""
     if not packed:
         model.save_pretrained(directory, **kwargs)
         return
+    directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     model.config.save_pretrained(directory)
-    mvas.save_packed(model, os.path.join(os.fspath(directory), mvas.PACKED_WEIGHTS_NAME))
+    mvas.save_packed(model, os.path.join(directory, mvas.PACKED_WEIGHTS_NAME))
+    readme = _PACKED_README.format(weights=mvas.PACKED_WEIGHTS_NAME, model_cls=type(model).__name__)
+    with open(os.path.join(directory, "README.md"), "w") as f:
+        f.write(readme)
 
 
 def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, mvas.MVASStore]:
     """A model saved by ``save_pretrained(..., packed=True)``: built from its config (``model_cls``, e.g.
     ``LlamaForCausalLM``) in the saved dtype, put under the checkpoint's plan, weights restored bit for bit.
-    Returns ``(model, store)``."""
+    Returns ``(model, store)``. A directory without packed weights (a dense save) raises ``FileNotFoundError``
+    naming ``model_cls.from_pretrained``, before any model is built."""
+    directory = os.fspath(directory)
+    packed = os.path.join(directory, mvas.PACKED_WEIGHTS_NAME)
+    if not os.path.isfile(packed):
+        raise FileNotFoundError(
+            f"{packed}: no MVAS-packed weights in {directory} (written by save_pretrained(model, dir, packed=True)); "
+            f"a dense save loads with {getattr(model_cls, '__name__', model_cls)}.from_pretrained({directory!r}), "
+            "and mvas.apply(model, plan) puts it under MVAS again")
     config = model_cls.config_class.from_pretrained(directory)
     model = model_cls(config)
     dtype = getattr(config, "dtype", None)
@@ -294,5 +344,5 @@ def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, 
         dtype = getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):
         model.to(dtype)
-    store = mvas.load_packed(model, os.path.join(os.fspath(directory), mvas.PACKED_WEIGHTS_NAME))
+    store = mvas.load_packed(model, packed)
     return model, store

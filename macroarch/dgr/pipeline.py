@@ -474,7 +474,9 @@ class DGROptimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"DGR: backward pass {self._micro + 1} since the last update with accumulation_steps="
                     f"{self.config.accumulation_steps}; call opt.step() (and opt.zero_grad()) after every "
-                    f"{self.config.accumulation_steps}th backward, or use opt.suspended() for extra passes"
+                    f"{self.config.accumulation_steps}th backward, or use opt.suspended() for extra passes; under "
+                    f"accelerate's accumulate() or Trainer's gradient_accumulation_steps=k, build "
+                    f"DGRWrapper(..., accumulation_steps=k) (MacroTrainer does)"
                 )
             self._arrived = [set() for _ in self._inner]
             self._done.clear()  # left over only if an earlier backward was aborted before step()

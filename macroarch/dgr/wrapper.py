@@ -146,9 +146,10 @@ def _warn_if_trainer_bypasses_dgr(wrapper: DGRWrapper) -> None:
     Trainer has built an optimizer of its own over the wrapper's parameters, so DGR does nothing. Warn once."""
     trainer = _plain_trainer()
     if trainer is not None:
+        own = type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__  # inside accelerate's wrapper
         warnings.warn(
             f"{type(trainer).__name__} (transformers.Trainer) is training a DGRWrapper with an optimizer of its own "
-            f"({type(trainer.optimizer).__name__}): no DGR optimizer exists, so DGR updates nothing and this is "
+            f"({own}): no DGR optimizer exists, so DGR updates nothing and this is "
             "plain training. Use macroarch.integrations.MacroTrainer (same arguments), which builds the DGR "
             "optimizer from Trainer's optimizer settings, or pass optimizers=(wrapper.optimizer(...), None)",
             UserWarning, stacklevel=4)
@@ -158,8 +159,13 @@ def _check_the_loop_at_first_step(optimizer: DGROptimizer) -> None:
     """At ``optimizer``'s first ``step()``, warn once if a plain ``transformers.Trainer`` drives it: its clipping
     and gradient norm silently do nothing under DGR (module docstring). ``MacroTrainer`` is the fix."""
 
+    checked = False  # the hook stays (removing it while torch iterates the hooks would raise) and returns at once
+
     def check(opt: Any, args: Any, kwargs: Any) -> None:
-        handle.remove()
+        nonlocal checked
+        if checked:
+            return
+        checked = True
         trainer = _plain_trainer()
         if trainer is None:
             return
@@ -173,7 +179,7 @@ def _check_the_loop_at_first_step(optimizer: DGROptimizer) -> None:
             "the logged grad_norm is the real one, and DGR's accumulation follows gradient_accumulation_steps",
             UserWarning, stacklevel=4)
 
-    handle = optimizer.register_step_pre_hook(check)
+    optimizer.register_step_pre_hook(check)
 
 
 class DGRWrapper(nn.Module):

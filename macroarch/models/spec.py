@@ -201,4 +201,6 @@ class ModelSpec:
                     model = cls(config)
         finally:
             torch.set_default_dtype(previous)
+        if self.family == "gpt2":  # GPT-2's config names no loss type, and transformers warns at every forward
+            model.loss_type = "ForCausalLM"
         return model.train()

@@ -1,0 +1,264 @@
+"""The interactive path as a user walks it: JupyterLab in headless Chromium runs a notebook at the ci profile.
+
+JupyterLab is started on 127.0.0.1 (a free port, a token) in a temporary copy of ``02_memory_wall`` whose
+``parameters`` cell says ``profile = "ci"``, with a kernelspec of its own: the name and display name the notebook
+asks for, running this interpreter, in a temporary ``JUPYTER_DATA_DIR`` (with Jupyter's config, runtime and
+IPython directories), so no user's setup is read or written. Chromium opens the notebook, runs all cells from the
+command palette and saves; the test then checks the kernel name shown, that the kernel's imports left no
+deprecation noise on screen, a rendered figure, no error output, the saved copy's outputs, the result file, the
+W&B offline run, and that the committed notebook is byte for byte as it was. Screenshots (opened, the running
+cell, a progress bar while it runs, a figure, done) and the page's stderr text go to the test's tmp folder.
+
+Skipped, with its reason, where no browser is installed: Debian's ``chromium`` and ``chromium-driver`` (``bash
+.ci/install-browser.sh``), driven by Selenium through ``/usr/bin/chromedriver`` (no browser is downloaded).
+Every wait is bounded; JupyterLab (its process group: the kernel too) and Chromium are stopped in ``finally``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+STEM = "02_memory_wall"
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / f"{STEM}.ipynb"
+DISPLAY_NAME = "Python 3 (macroarch)"
+PROFILE_LINE = 'profile: str = "cpu"'
+NOISE = "is an Enum subclass and is now natively supported by torch.compile"
+RUN_S = 600  # the ci profile's budget for this notebook is 3 minutes on a 2-core CPU; a loaded machine gets slack
+START_S = 120
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                       reason=f"no browser: {CHROMIUM} and {CHROMEDRIVER} are not installed "
+                              "(bash .ci/install-browser.sh installs Debian's chromium and chromium-driver)"),
+]
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (requirements.txt pins it)")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(what: str, predicate, timeout: float, every: float = 0.5):
+    """``predicate()``'s first truthy value within ``timeout`` seconds; else a failure naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def _quiet_settings(config_dir: Path) -> None:
+    """JupyterLab's user settings: no prompt about fetching Jupyter news (a toast over the notebook)."""
+    settings = config_dir / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
+
+
+def _install_kernelspec(data_dir: Path, name: str) -> None:
+    """A kernelspec ``name`` that runs this interpreter, as the Makefile's for ``.venv``."""
+    spec = data_dir / "kernels" / name
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": DISPLAY_NAME, "language": "python", "metadata": {"debugger": True}}))
+
+
+def _ci_copy(workdir: Path) -> Path:
+    """The committed notebook, with its ``parameters`` cell set to the ci profile."""
+    nb = json.loads(NOTEBOOK.read_text())
+    (cell,) = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    source = "".join(cell["source"])
+    assert PROFILE_LINE in source, f"{NOTEBOOK}: the parameters cell no longer starts from {PROFILE_LINE!r}"
+    cell["source"] = source.replace(PROFILE_LINE, 'profile: str = "ci"', 1)
+    copy = workdir / NOTEBOOK.name
+    copy.write_text(json.dumps(nb, indent=1))
+    return copy
+
+
+def _start_lab(workdir: Path, home: Path, port: int, token: str, log) -> subprocess.Popen:
+    env = {**os.environ,
+           "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_CONFIG_DIR": str(home / "config"),
+           "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "IPYTHONDIR": str(home / "ipython"),
+           "JUPYTER_PLATFORM_DIRS": "1", "JUPYTER_PREFER_ENV_PATH": "0",  # in a venv, its own python3 spec first
+           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    env.pop("MACROARCH_COMPILE", None)  # the notebook's kernel as a user's, not the tests' eager setting
+    command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--ServerApp.port={port}",
+               "--ServerApp.ip=127.0.0.1", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+               f"--ServerApp.root_dir={workdir}", "--LabApp.news_url=None", "--LabApp.extension_manager=readonly"]
+    if os.geteuid() == 0:  # CI runs as root
+        command.append("--allow-root")
+    return subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _lab_ready(port: int, token: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _chromium(profile_dir: Path):
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1000", f"--user-data-dir={profile_dir}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=str(CHROMEDRIVER)))
+
+
+def _texts(driver, css: str) -> list[str]:
+    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+def _palette(driver, command: str) -> None:
+    """Run a JupyterLab command by its label from the command palette (Ctrl+Shift+C)."""
+    driver.find_element(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-Notebook").click()
+    webdriver.ActionChains(driver).key_down(Keys.CONTROL).key_down(Keys.SHIFT).send_keys("c") \
+        .key_up(Keys.SHIFT).key_up(Keys.CONTROL).perform()
+    field = _wait("the command palette", lambda: next(iter(driver.find_elements(
+        By.CSS_SELECTOR, ".lm-CommandPalette-input")), None), 20)
+    _wait("the command palette to be shown", field.is_displayed, 20)
+    field.clear()
+    field.send_keys(command)
+    _wait(f"{command!r} in the palette", lambda: command in _texts(driver, ".lm-CommandPalette-itemLabel"), 20)
+    field.send_keys(Keys.ENTER)
+
+
+def _show(driver, css: str, text: str | None = None) -> None:
+    """Scroll the first element matching ``css`` (and whose text is ``text``, if given) to the middle of the view."""
+    for element in driver.find_elements(By.CSS_SELECTOR, css):
+        if text is None or element.text.strip() == text:
+            driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+            time.sleep(0.5)  # the notebook renders the cells scrolled into view
+            return
+
+
+def _prompts(driver) -> list[str]:
+    return _texts(driver, ".jp-CodeCell .jp-InputArea-prompt")
+
+
+def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tmp_path):
+    from macroarch.repro.tracking import read_result, result_path
+    from macroarch.repro.wandb_offline import find_offline_runs
+
+    committed = hashlib.sha256(NOTEBOOK.read_bytes()).hexdigest()
+    kernelspec = json.loads(NOTEBOOK.read_text())["metadata"]["kernelspec"]
+    assert kernelspec["display_name"] == DISPLAY_NAME
+    home, workdir, shots = tmp_path / "jupyter", tmp_path / "work", tmp_path / "screenshots"
+    for d in (home, workdir, shots):
+        d.mkdir()
+    _install_kernelspec(home / "data", kernelspec["name"])
+    _quiet_settings(home / "config")
+    copy = _ci_copy(workdir)
+    port, token = _free_port(), hashlib.sha256(os.urandom(16)).hexdigest()[:32]
+
+    lab = driver = None
+    with open(tmp_path / "jupyterlab.log", "w") as log:
+        try:
+            lab = _start_lab(workdir, home, port, token, log)
+            _wait("JupyterLab to answer on 127.0.0.1", lambda: lab.poll() is not None or _lab_ready(port, token),
+                  START_S)
+            assert lab.poll() is None, (tmp_path / "jupyterlab.log").read_text()[-3000:]
+            driver = _chromium(tmp_path / "chromium-profile")
+            driver.set_page_load_timeout(START_S)
+            driver.get(f"http://127.0.0.1:{port}/lab/tree/{copy.name}?token={token}")
+
+            # Opened with the kernel the notebook asks for: no kernel-selection dialog, its display name shown.
+            _wait("the notebook's kernel to be idle", lambda: driver.find_elements(
+                By.CSS_SELECTOR, ".jp-NotebookPanel") and "Idle" in " ".join(_texts(driver, ".jp-StatusBar-Widget"))
+                or driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"), START_S)
+            driver.save_screenshot(str(shots / "1_opened.png"))
+            assert not driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"), \
+                f"a dialog instead of the kernel: {_texts(driver, '.jp-Dialog')}"
+            shown = " ".join(_texts(driver, ".jp-NotebookPanel-toolbar .jp-Toolbar-kernelName"))
+            assert DISPLAY_NAME in shown, f"kernel shown: {shown!r}"
+
+            _palette(driver, "Run All Cells")
+            _wait("the run to start", lambda: "[*]:" in _prompts(driver), 60, every=0.2)
+            _wait("a cell to finish", lambda: any(p.strip() not in ("[*]:", "[ ]:", "") for p in _prompts(driver)),
+                  RUN_S, every=0.5)
+            _show(driver, ".jp-CodeCell .jp-InputArea-prompt", "[*]:")  # the cell that runs now, and its output
+            driver.save_screenshot(str(shots / "2_running.png"))
+            progress = []
+
+            def finished():
+                if not progress and (bars := [e for e in driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")
+                                              if "%|" in e.text]):  # a progress bar, while it runs
+                    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", bars[0])
+                    driver.save_screenshot(str(shots / "3_progress.png"))
+                    progress.append(bars[0].get_attribute("data-mime-type"))
+                prompts = _prompts(driver)
+                done = prompts and "[*]:" not in prompts and all(p.strip() not in ("[ ]:", "") for p in prompts)
+                return prompts if done else None
+
+            prompts = _wait("every cell to run", finished, RUN_S, every=1)
+            driver.save_screenshot(str(shots / "5_done.png"))
+
+            outputs = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")
+            errors = [e.text for e in outputs if e.get_attribute("data-mime-type") == "application/vnd.jupyter.error"
+                      or "Traceback" in e.text]
+            assert not errors, errors[0][:2000]
+            stderr = " ".join(_texts(driver, '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'))
+            assert NOISE not in stderr  # torchao's deprecation records are filtered at import (macroarch._warnings)
+            (tmp_path / "stderr.txt").write_text(stderr)
+            assert driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img"), "no figure rendered"
+            _show(driver, ".jp-OutputArea-output img")
+            driver.save_screenshot(str(shots / "4_figure.png"))
+            (tmp_path / "progress.txt").write_text(repr(progress))
+            assert len(prompts) == sum(1 for c in json.loads(copy.read_text())["cells"] if c["cell_type"] == "code")
+
+            before = copy.stat().st_mtime_ns
+            _palette(driver, "Save Notebook")
+            _wait("the copy to be saved", lambda: copy.stat().st_mtime_ns != before, 30)
+        finally:
+            if driver is not None:
+                driver.quit()
+            if lab is not None:
+                if lab.poll() is None:
+                    os.killpg(lab.pid, signal.SIGTERM)
+                try:
+                    lab.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(lab.pid, signal.SIGKILL)
+                    lab.wait(timeout=30)
+
+    saved = json.loads(copy.read_text())
+    code = [c for c in saved["cells"] if c["cell_type"] == "code"]
+    assert all(c["execution_count"] for c in code)
+    assert not [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
+    assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"])
+
+    result = read_result(result_path("C4", "ci"))
+    assert result["status"] == "complete" and result["config"]["profile"] == "ci"
+    assert result["verdict"]["grade"]
+    runs = [r for r in find_offline_runs(isolated) if r.run_id == result["wandb"]["id"]]
+    assert runs and runs[0].group == "ci" and runs[0].config["profile"] == "ci"
+
+    assert hashlib.sha256(NOTEBOOK.read_bytes()).hexdigest() == committed, f"{NOTEBOOK} was changed"
+    shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)  # the screenshots and the log stay
