@@ -37,7 +37,9 @@ shard skips the step on every rank, and the ranks' weights and step counters sta
 be, the fp32 master where ``master_weights``) of every parameter that has none, e.g. for a checkpoint loader.
 
 ``state_dict()`` / ``load_state_dict()`` round-trip exactly: torch casts floating state to the parameter's
-dtype on load, so the packed moments and the master copies are put back as they were saved.
+dtype on load, so the packed moments and the master copies are put back as they were saved. A load is all or
+nothing: every saved tensor is checked against its parameter first (shapes, element counts, the moments' format,
+finite scales, payload codes), so another model's state or a corrupt one is refused before anything changes.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ from macroarch._compat.subclass import torch_function_disabled
 from macroarch.mvas import _kernels
 from macroarch.mvas.codecs.formats import get_format, is_fake
 from macroarch.mvas.codecs.noise import stream_key
+from macroarch.mvas.packed.packed_tensor import bad_scales, nonfinite_codes
 from macroarch.mvas.packed.weight import MVASWeight
-from macroarch.optim._state import restore_saved_state
 from macroarch.optim.functional import adamw_scalars, all_finite, check_hyperparameters, local, owned_params
+from macroarch.optim.saved_state import check_saved_state, restore_saved_state
 
 STEP_CHUNK_NUMEL = 1 << 20
 """Elements one step kernel call updates at most. The compiled step keeps a few float32 temporaries of the chunk's
@@ -266,13 +269,60 @@ class MVASAdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` exactly (packed moments and masters as saved). All or nothing: every parameter's
+        saved state is checked against the parameter first (``check_loadable``), and a state dict of another
+        model, another ``state_format`` or with corrupt moments is refused (ValueError naming the parameter) before
+        anything changes."""
         state_dict = dict(state_dict)
         state_dict.pop("mvas_generators", None)  # written by versions that drew noise from torch generators
         seed = state_dict.pop("mvas_seed", self.seed)
-        self.skipped_nonfinite = int(state_dict.pop("mvas_skipped_nonfinite", 0))
+        skipped = int(state_dict.pop("mvas_skipped_nonfinite", 0))
+        self.check_loadable(state_dict)
         super().load_state_dict(state_dict)
         restore_saved_state(self, state_dict, _EXACT_KEYS)  # torch cast them to each parameter's dtype
-        self.seed = seed
+        self.seed, self.skipped_nonfinite = seed, skipped
+
+    def check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError unless ``state_dict`` (torch's layout) fits this optimizer's parameters: dense moments and
+        masters shaped as the parameter (a DTensor's local shard), packed moments of its element count in this
+        optimizer's ``state_format`` (payload dtype and size, ``numel // state_block_size`` float32 scales) with
+        finite non-negative scales and no code that decodes to NaN or infinity. Reads only."""
+        check_saved_state(self, state_dict, ("master",), self._check_moments)
+
+    def _check_moments(self, index: int, p: torch.Tensor, saved: dict[str, Any]) -> list[str]:
+        """Problems of one parameter's saved moments (``check_loadable``)."""
+        n, problems = local(p).numel(), []
+        fmt = get_format(self.state_format)
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = saved.get(key)
+            if not torch.is_tensor(value):
+                continue
+            if value.dtype == torch.float32:  # dense
+                if tuple(value.shape) not in {tuple(p.shape), tuple(local(p).shape)}:
+                    problems.append(f"{key} {tuple(value.shape)}, the parameter {tuple(local(p).shape)}")
+                continue
+            if value.dtype != fmt.storage_dtype or fmt.name == "fp32":
+                problems.append(f"{key} is stored as {value.dtype}, this optimizer's state_format {fmt.name} stores "
+                                f"{fmt.storage_dtype} (build it with the state_format it was saved with)")
+                continue
+            numel = saved.get("numel", n)
+            payload = (n + 1) // 2 if fmt.name == "fp4_e2m1" else n
+            if numel != n or value.dim() != 1 or value.numel() != payload:
+                problems.append(f"{key} {tuple(value.shape)} for {numel} elements, the parameter "
+                                f"{tuple(local(p).shape)} has {n} ({fmt.name} stores {payload} codes)")
+                continue
+            bad = nonfinite_codes(value)
+            if bad:
+                problems.append(f"{bad} codes of {key} decode to NaN or infinity (corrupt)")
+            if fmt.block_scaled:
+                scales = saved.get(key + "_scales")
+                want = n // self.state_block_size
+                if not torch.is_tensor(scales) or scales.dtype != torch.float32 or scales.numel() != want:
+                    got = "none" if not torch.is_tensor(scales) else f"{scales.dtype} x {scales.numel()}"
+                    problems.append(f"{key}_scales: {got}, blocks of {self.state_block_size} need float32 x {want}")
+                elif bad_scales(scales):
+                    problems.append(f"{bad_scales(scales)} of {key}_scales are NaN, infinite or negative (corrupt)")
+        return problems
 
     def state_bytes(self) -> int:
         """Bytes of the moments (payloads and scales) held now, masters excluded."""

@@ -22,9 +22,15 @@ Checkpoints: ``model.state_dict()`` holds the ``MVASWeight`` s themselves, so ``
 ``__mvas_payload`` / ``__mvas_scales``, for safetensors). Before anything is copied it checks, in this order,
 that every tensor has the model's shape (a checkpoint of another model size is refused as such), that its
 packed tensors have this store's formats (``store.replan(store.plan_from_state_dict(sd))`` adopts a checkpoint's
-plan), and that values are usable (finite dense weights, finite non-negative scales); a failed check raises
-naming each tensor and loads nothing. Dense checkpoints for ``save_pretrained`` / safetensors:
-``macroarch.mvas.interop.checkpoint``.
+plan), and that values are usable (finite dense weights, finite non-negative scales, no payload code that decodes to
+NaN or infinity); a failed check raises naming each tensor and loads nothing. Dense checkpoints for
+``save_pretrained`` / safetensors: ``macroarch.mvas.interop.checkpoint``.
+
+``apply`` is all or nothing: every tensor is packed before the model is touched, and a failure while the weights
+are registered (any exception, ``KeyboardInterrupt`` included) puts the model's own parameter objects back, bit for
+bit. ``store.remove()`` undoes a store with dense copies (dequantised); ``store.remove(restore=registered)`` puts
+back the very objects ``registered_parameters(model)`` listed before ``apply`` (how ``load_packed`` undoes a refused
+load); ``TensorSnapshot`` copies what a loader writes in place, to put it back.
 
 Limitations: apply after moving the model to its device (``model.to(dtype)`` afterwards changes the compute
 dtype and keeps the storage); writing into a managed parameter with anything but ``copy_`` raises.
@@ -32,7 +38,7 @@ dtype and keeps the storage); writing into a managed parameter with anything but
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,8 +46,8 @@ from torch import nn
 
 from macroarch.mvas.codecs.formats import FORMATS, dtype_format, get_format, is_fake
 from macroarch.mvas.packed.packed_tensor import PackedTensor, pack
-from macroarch.mvas.plan.policy import PrecisionPlan, TensorPlan
 from macroarch.mvas.packed.weight import MVASWeight
+from macroarch.mvas.plan.policy import PrecisionPlan, TensorPlan
 
 PAYLOAD_SUFFIX = "__mvas_payload"
 SCALES_SUFFIX = "__mvas_scales"
@@ -104,15 +110,19 @@ class MVASStore:
                 raise ValueError(f"parameter {t.name!r} is already managed by an MVAS store; apply once per model")
             if t.numel != p.numel():
                 raise ValueError(f"the plan's {t.name!r} has {t.numel} elements, the model's {p.numel()}")
-            staged.append((t, p, pack(p.detach(), t.format, t.block_size)))
-        for t, p, packed in staged:
-            dtype = compute_dtype or p.dtype
-            weight = nn.Parameter(MVASWeight.from_packed(packed, dtype), requires_grad=p.requires_grad)
-            keys = [(module_names[id(m)] + "." if module_names[id(m)] else "") + a for m, a in owners[id(p)]]
-            for module, attr in owners[id(p)]:
-                module._parameters[attr] = weight
-            self.entries[t.name] = _Entry(t.name, weight, owners[id(p)], t, keys)
-        self._handles.append(self.model.register_load_state_dict_pre_hook(self._check_load))
+            weight = MVASWeight.from_packed(pack(p.detach(), t.format, t.block_size), compute_dtype or p.dtype)
+            staged.append((t, p, nn.Parameter(weight, requires_grad=p.requires_grad)))
+        registered = registered_parameters(self.model)
+        try:  # plain assignments from here on; whatever fails puts the model's own parameter objects back
+            for t, p, weight in staged:
+                keys = [(module_names[id(m)] + "." if module_names[id(m)] else "") + a for m, a in owners[id(p)]]
+                for module, attr in owners[id(p)]:
+                    module._parameters[attr] = weight
+                self.entries[t.name] = _Entry(t.name, weight, owners[id(p)], t, keys)
+            self._handles.append(self.model.register_load_state_dict_pre_hook(self._check_load))
+        except BaseException:
+            self.remove(restore=registered)
+            raise
 
     # ------------------------------------------------------------------------------------------- access
     def __contains__(self, name: str) -> bool:
@@ -224,7 +234,7 @@ class MVASStore:
             raise ValueError(f"the checkpoint is of a model of another shape ({len(shapes)} tensors differ: "
                              + "; ".join(shapes[:5]) + (" ..." if len(shapes) > 5 else "")
                              + "). Nothing was loaded: load it into a model built with the same configuration")
-        formats, values = [], []
+        formats, values, corrupt = [], [], []
         for entry in self.entries.values():
             key = prefix + entry.keys[0]
             value = state_dict.get(key)
@@ -232,6 +242,11 @@ class MVASStore:
                 if not _same_plan(value.format, value.block_size, entry.plan, entry.param.numel()):
                     formats.append(f"{entry.name}: checkpoint {_describe(value.format, value.block_size)}, model "
                                    f"{_describe(entry.plan.format, entry.plan.block_size)}")
+                elif not value.is_view:  # built in memory, not through torch.load or from_packed: checked here
+                    try:
+                        value.validate()
+                    except ValueError as exc:
+                        corrupt.append(f"{entry.name}: {exc}")
             elif torch.is_tensor(value) and get_format(entry.plan.format).block_scaled and (
                     value.is_floating_point() and not is_fake(value) and not torch.isfinite(value).all()):
                 values.append(f"{entry.name}: the dense value has inf or NaN elements")
@@ -243,20 +258,60 @@ class MVASStore:
                   "then load")
         if values:
             raise ValueError("the checkpoint cannot be packed: " + "; ".join(values[:5]) + ". Nothing was loaded")
+        if corrupt:
+            raise ValueError("the checkpoint is corrupt: " + "; ".join(corrupt[:5]) + ". Nothing was loaded")
 
     # ------------------------------------------------------------------------------------------- removal
     @torch.no_grad()
-    def remove(self) -> nn.Module:
-        """Undo ``apply``: dense parameters (dequantised, compute dtype) back in place, hooks gone."""
+    def remove(self, restore: list[tuple[nn.Module, str, nn.Parameter]] | None = None) -> nn.Module:
+        """Undo ``apply``: the load hook gone and dense parameters back in place, dequantised in the compute dtype;
+        or, with ``restore`` (what ``registered_parameters(model)`` returned before ``apply``), those parameter
+        objects themselves, bit for bit as they were (for loaders that undo a refused load)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for entry in self.entries.values():
-            dense = nn.Parameter(entry.dense(), requires_grad=entry.param.requires_grad)
-            for m, a in entry.owners:
-                m._parameters[a] = dense
+        if restore is not None:
+            restore_parameters(restore)
+        else:
+            for entry in self.entries.values():
+                dense = nn.Parameter(entry.dense(), requires_grad=entry.param.requires_grad)
+                for m, a in entry.owners:
+                    m._parameters[a] = dense
         self.entries.clear()
         return self.model
+
+
+def registered_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(module, name, parameter)`` for every parameter registered in ``model``, under every module that holds it
+    (tied ones more than once): ``restore_parameters`` puts these very objects back."""
+    return [(m, name, p) for m in model.modules()
+            for name, p in m.named_parameters(recurse=False, remove_duplicate=False)]
+
+
+def restore_parameters(registered: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+    """Register each parameter of ``registered`` (``registered_parameters``) where it was."""
+    for module, name, p in registered:
+        module._parameters[name] = p
+
+
+class TensorSnapshot:
+    """Copies of tensors that a loader writes in place, to put back bit for bit if the load fails part-way
+    (``restore``): a managed weight's packed storage is cloned and copied back as it is (``MVASWeight.copy_`` of
+    the same format), anything else by value. Each tensor once, however often it is passed."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        seen: set[int] = set()
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for t in tensors:
+                if torch.is_tensor(t) and id(t) not in seen and not is_fake(t):
+                    seen.add(id(t))
+                    self.saved.append((t, t.detach().clone()))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for t, copy in self.saved:
+            t.copy_(copy)
 
 
 def _unflatten_packed(state_dict: dict[str, Any], keys: list[str], entry: _Entry) -> None:

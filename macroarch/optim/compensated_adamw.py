@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from macroarch.optim.compensation import GradientCompensator
-from macroarch.optim._state import restore_saved_state
+from macroarch.optim.saved_state import check_saved_state, restore_saved_state
 from macroarch.optim.functional import adamw_step_, agree, check_hyperparameters, local, locally_finite, owned_params
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
@@ -282,6 +282,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 if (extra[name] is None) != (getattr(self, name) is None):
                     raise ValueError(f"state_dict and this optimizer disagree on having a {name}; build the "
                                      f"optimizer with the same options as the one that was saved")
+        check_saved_state(self, state_dict, _FLOAT_STATE)  # another model's state: refused before anything changes
         super().load_state_dict(state_dict)
         # torch casts loaded floating state to each parameter's dtype: that would round fp32 masters, moments and
         # accumulation buffers of 16-bit parameters. Put the saved values back, in their saved dtype.

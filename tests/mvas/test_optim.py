@@ -10,8 +10,8 @@ from torch import nn
 from macroarch.dgr import DGRWrapper
 from macroarch.mvas import plan_from_rules, quantize_dequantize
 from macroarch.mvas.optim import MVASAdamW
-from macroarch.mvas.store import apply
 from macroarch.mvas.packed.weight import MVASWeight
+from macroarch.mvas.store import apply
 
 KW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
@@ -281,3 +281,86 @@ def test_zero_grad_clears_managed_gradients_without_their_torch_function(dgr, to
     seen = list(torch_function_calls)
     assert seen == []
     assert all(p.grad is None for p in net.parameters())
+
+
+# ------------------------------------------------------------------------------------------- refused loads
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def _trained(width, steps=1, **kwargs):
+    """A managed fp8 model of one ``width`` x 64 layer and its MVASAdamW (fp8 moments) after ``steps`` steps."""
+    torch.manual_seed(width)
+    net = nn.Sequential(nn.Linear(64, width, bias=False))
+    apply(net, plan_from_rules(net, [("*", "fp8")], block_size=32, min_numel=0))
+    opt = MVASAdamW(net.parameters(), lr=1e-2, seed=1, min_state_numel=1024, **kwargs)
+    for _ in range(steps):
+        net(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return net, opt
+
+
+def _everything(net, opt):
+    """Every byte of the weights and of the optimizer state, and its counters."""
+    w = net[0].weight
+    state = {k: _bits(v) if torch.is_tensor(v) else v for k, v in opt.state[w].items()}
+    return _bits(w.payload), _bits(w.scales), state, opt.seed, opt.skipped_nonfinite
+
+
+def _same(a, b):
+    assert a[3:] == b[3:]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    _same_state(a[2], b[2])
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (torch.equal(a[key], b[key]) if torch.is_tensor(a[key]) else a[key] == b[key]), key
+
+
+def test_another_models_state_is_refused_before_anything_changes():
+    wide, wide_opt = _trained(128)  # exp_avg (8192,) fp8 codes for a 4096-element weight
+    narrow, opt = _trained(64, steps=2)
+    before = _everything(narrow, opt)
+    with pytest.raises(ValueError, match=r"parameter 0: exp_avg \(8192,\) for 8192 elements, the parameter "
+                                         r"\(64, 64\) has 4096.*nothing was loaded"):
+        opt.load_state_dict(wide_opt.state_dict())
+    _same(before, _everything(narrow, opt))
+    narrow(torch.randn(4, 64)).square().mean().backward()
+    opt.step()  # and it still steps, from its own state
+    assert float(opt.state[narrow[0].weight]["step"]) == 3
+
+
+def test_dense_moments_of_another_shape_and_another_state_format_are_refused():
+    wide, wide_opt = _trained(128, state_format="fp32")
+    narrow, opt = _trained(64, state_format="fp32")
+    with pytest.raises(ValueError, match=r"parameter 0: exp_avg \(128, 64\), the parameter \(64, 64\)"):
+        opt.load_state_dict(wide_opt.state_dict())
+    narrow_e5, opt_e5 = _trained(64, state_format="fp8_e5m2")
+    before = _everything(narrow, opt)
+    with pytest.raises(ValueError, match="exp_avg is stored as torch.float8_e5m2, this optimizer's state_format "
+                                         "fp32"):
+        opt.load_state_dict(opt_e5.state_dict())
+    _same(before, _everything(narrow, opt))
+
+
+@pytest.mark.parametrize(("fmt", "code"), [("fp8_e4m3", 0x7F), ("fp8_e4m3", 0xFF), ("fp8_e5m2", 0x7C),
+                                           ("fp8_e5m2", 0xFE)])
+def test_moments_with_nan_or_inf_codes_or_bad_scales_are_refused(fmt, code):
+    net, opt = _trained(64, state_format=fmt)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg"].view(torch.uint8)[17] = code
+    other, other_opt = _trained(64, steps=2, state_format=fmt)
+    before = _everything(other, other_opt)
+    with pytest.raises(ValueError, match="parameter 0: 1 codes of exp_avg decode to NaN or infinity"):
+        other_opt.load_state_dict(saved)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg_sq_scales"][3] = float("nan")
+    with pytest.raises(ValueError, match="1 of exp_avg_sq_scales are NaN, infinite or negative"):
+        other_opt.load_state_dict(saved)
+    _same(before, _everything(other, other_opt))
+    other_opt.load_state_dict(opt.state_dict())  # the good one loads, exactly
+    _same_state(_everything(net, opt)[2], _everything(other, other_opt)[2])
+    assert other_opt.seed == opt.seed

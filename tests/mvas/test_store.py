@@ -13,8 +13,8 @@ from model_zoo import ZOO
 from macroarch.measure.memory import measure_step
 from macroarch.mvas import plan_from_rules, storage_bytes
 from macroarch.mvas.optim import MVASAdamW
-from macroarch.mvas.store import apply
 from macroarch.mvas.packed.weight import MVASWeight
+from macroarch.mvas.store import apply
 
 RULES = [("*mlp*", "fp4"), ("*fc*", "fp4"), ("*self_attn*", "fp8"), ("*attn*", "fp8_e5m2"), ("*embed*", "fp16"),
          ("*", "bf16")]
@@ -238,3 +238,46 @@ def test_fake_tensor_full_width_layer():
             opt.step()
             opt.step()
     assert store.packed_bytes() == sum(plan[n].nbytes for n in store.entries)
+
+
+def _registered(net):
+    """Every registration (module, name) with its parameter object and its bytes."""
+    return [(m, name, p, p.detach().contiguous().view(-1).view(torch.uint8).clone())
+            for m in net.modules() for name, p in m.named_parameters(recurse=False, remove_duplicate=False)]
+
+
+def _unchanged(net, before):
+    now = [(m, name, p) for m in net.modules() for name, p in m.named_parameters(recurse=False, remove_duplicate=False)]
+    assert len(now) == len(before)
+    for (m, name, p), (m0, name0, p0, bits) in zip(now, before, strict=True):
+        assert m is m0 and name == name0 and p is p0, f"{name}: another parameter object"
+        assert type(p) is torch.nn.Parameter and torch.equal(p.detach().view(-1).view(torch.uint8), bits), name
+
+
+@pytest.mark.parametrize("fail", ["second_weight", "load_hook"])
+def test_apply_that_fails_part_way_puts_the_models_own_parameters_back(fail, monkeypatch):
+    net, loss_fn, plan = _managed("gpt2_tied")  # tied embedding and head: one object under two names
+    before = _registered(net)
+    if fail == "second_weight":
+        calls, original = [], MVASWeight.from_packed.__func__
+
+        def failing(cls, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected")
+            return original(cls, *args, **kwargs)
+
+        monkeypatch.setattr(MVASWeight, "from_packed", classmethod(failing))
+        error = RuntimeError
+    else:
+        def failing(*args, **kwargs):
+            raise KeyboardInterrupt  # a BaseException: undone as well, and passed on as it is
+
+        monkeypatch.setattr(net, "register_load_state_dict_pre_hook", failing)
+        error = KeyboardInterrupt
+    with pytest.raises(error):
+        apply(net, plan)
+    _unchanged(net, before)
+    monkeypatch.undo()
+    store = apply(net, plan)  # and it can be applied again: nothing of the failed attempt is left
+    assert store.entries and len(net._load_state_dict_pre_hooks) == 1

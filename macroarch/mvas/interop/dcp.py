@@ -18,6 +18,30 @@ other, another format, another block size), another shape, or optimizer state wh
 dividing the shard), so the moments of some world sizes cannot be carried to others; load the weights alone
 (``optimizer=None``) then. Other entries are DCP's (dense tensors, DTensors) and reshard as usual.
 
+**What else travels** (exact resume): DCP holds tensors only, so ``save`` also writes, beside DCP's files, each
+rank's optimizer ``state_dict()`` without its per-parameter state (``EXTRAS_NAME``: the param groups with their
+scheduled learning rates, ``MVASAdamW``'s stochastic-rounding seed and skip count, ``CompensatedAdamW``'s and
+DGR's extras), with ``torch.save``; ``load`` reads it with ``torch.load(weights_only=True)`` and puts it back through
+the optimizer's own ``load_state_dict`` after the tensors, so a resumed run continues as the uninterrupted one. At
+the world size it was saved with each rank gets its own; at another, rank 0's, which is exact for what every rank
+holds alike (param groups, seeds, counters), and refused if it holds tensors (per-rank queues and snapshots do not
+reshard).
+
+**All or nothing.** ``load`` refuses an incompatible checkpoint before reading it (``check_compatible``). Then
+DCP writes into the model's and optimizer's tensors in place and may fail part-way (a truncated or unreadable
+file: its ``CheckpointException`` is a ``BaseException``): every tensor it can write is copied first and put back
+on any failure, optimizer state that ``ensure_state`` created is dropped again, and a ``RuntimeError`` says that
+nothing was loaded (``KeyboardInterrupt`` and ``SystemExit`` pass through as they are, after the restore). What
+it read is checked before it is kept: managed weights (``MVASWeight.validate``: finite non-negative scales, no
+payload code that decodes to NaN or infinity) and the optimizer state (finite moments, valid packed codes and
+scales); one bad tensor on any rank restores every rank. DCP carries no checksums: bytes flipped into valid codes
+load undetected (the packed safetensors form, ``macroarch.mvas.interop.checkpoint``, verifies a sha256 per tensor).
+
+**Trust.** DCP's ``.metadata`` file is a Python pickle that torch unpickles when a checkpoint is read (and DCP loads
+non-tensor entries with ``torch.load(weights_only=False)``): loading a crafted checkpoint runs its code. Load only
+checkpoints from a trusted source. The extras file is read with ``torch.load(weights_only=True)``, which refuses any
+code; the packed safetensors form and ``torch.load(weights_only=True)`` of a state dict run none either.
+
 Deviation: optimizer state is reached through the optimizer's ``state`` dict, keyed by the parameters (DTensors
 under FSDP2, as ``MVASAdamW`` keys them) or by their local tensors; an optimizer with no
 state yet gets it from its public ``init_state()`` (``MVASAdamW``, ``CompensatedAdamW``) before a load.
@@ -33,17 +57,25 @@ import torch
 import torch.distributed.checkpoint as dist_cp
 from torch import nn
 
+from macroarch.mvas.codecs.codes import FP8_DTYPES
 from macroarch.mvas.codecs.formats import FORMATS
-from macroarch.mvas.store import PAYLOAD_SUFFIX, SCALES_SUFFIX
+from macroarch.mvas.packed.packed_tensor import bad_scales, nonfinite_codes
 from macroarch.mvas.packed.weight import MVASWeight
+from macroarch.mvas.store import PAYLOAD_SUFFIX, SCALES_SUFFIX, TensorSnapshot
+from macroarch.optim.functional import local
 
-__all__ = ["OPTIM_PREFIX", "check_compatible", "checkpoint_state", "ensure_state", "load", "save"]
+__all__ = ["EXTRAS_NAME", "OPTIM_PREFIX", "check_compatible", "check_loaded", "checkpoint_state", "ensure_state",
+           "load", "optimizer_extras", "read_extras", "save"]
 
 OPTIM_PREFIX = "optim."
+EXTRAS_NAME = "mvas_optimizer_extras.rank{rank}.pt"
+"""File of one rank's optimizer ``state_dict()`` without its per-parameter state, beside DCP's files."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)
+    """A DTensor's local tensor itself (``to_local()`` without autograd returns it, not a view), else ``t``."""
+    with torch.no_grad():
+        return local(t)
 
 
 def _shard_like(param: torch.Tensor, local: torch.Tensor, flat: bool) -> torch.Tensor:
@@ -113,9 +145,64 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None =
     return out
 
 
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def optimizer_extras(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` without ``"state"`` (the per-parameter tensors DCP holds): the param groups and any
+    optimizer's own entries (seeds, counters, DGR's queues)."""
+    return {k: v for k, v in optimizer.state_dict().items() if k != "state"}
+
+
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Save ``checkpoint_state(model, optimizer)`` with DCP (collective under a process group)."""
-    dist_cp.save(checkpoint_state(model, optimizer), checkpoint_id=os.fspath(path))
+    """Save ``checkpoint_state(model, optimizer)`` with DCP (collective under a process group), and each rank's
+    ``optimizer_extras`` beside it (``EXTRAS_NAME``, module docstring)."""
+    path = os.fspath(path)
+    if optimizer is not None:
+        rank, world = _rank_and_world()
+        os.makedirs(path, exist_ok=True)
+        torch.save({"world_size": world, "extras": optimizer_extras(optimizer)},
+                   os.path.join(path, EXTRAS_NAME.format(rank=rank)))
+    dist_cp.save(checkpoint_state(model, optimizer), checkpoint_id=path)
+
+
+def read_extras(path: str | os.PathLike) -> dict[str, Any]:
+    """This rank's ``optimizer_extras`` saved at ``path`` (rank 0's at another world size), read with
+    ``torch.load(weights_only=True)``; ValueError if there are none or they cannot go to this world size."""
+    path = os.fspath(path)
+    rank, world = _rank_and_world()
+    own = os.path.join(path, EXTRAS_NAME.format(rank=rank))
+    first = os.path.join(path, EXTRAS_NAME.format(rank=0))
+    if not os.path.exists(first):
+        raise ValueError(f"checkpoint {path} holds no optimizer extras ({EXTRAS_NAME.format(rank=0)}: param groups, "
+                         "seeds, counters): saved without an optimizer or by an older version; nothing was loaded. "
+                         "Load the weights alone with optimizer=None")
+    try:
+        saved = torch.load(first, weights_only=True)
+        if saved["world_size"] == world and os.path.exists(own):
+            saved = torch.load(own, weights_only=True)
+    except Exception as exc:  # weights_only refuses anything but tensors and plain values
+        raise ValueError(f"checkpoint {path}: the optimizer extras cannot be read ({type(exc).__name__}: {exc}); "
+                         "nothing was loaded") from exc
+    if saved["world_size"] != world and any(torch.is_tensor(t) and t.dim() > 0 for t in _leaves(saved["extras"])):
+        raise ValueError(f"checkpoint {path} was saved on {saved['world_size']} ranks with per-rank tensors in the "
+                         f"optimizer's state_dict (DGR's queues, DC-ASGD snapshots), which do not reshard to "
+                         f"{world}; nothing was loaded. Load it on {saved['world_size']} ranks, or the weights alone "
+                         "(optimizer=None)")
+    return saved["extras"]
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [x for v in tree.values() for x in _leaves(v)]
+    if isinstance(tree, list | tuple):
+        return [x for v in tree for x in _leaves(v)]
+    return [tree]
 
 
 def _describe(dtype: torch.dtype, numel: int, scales: int | None, is_payload: bool) -> str:
@@ -175,15 +262,103 @@ def check_compatible(path: str | os.PathLike, state: dict[str, Any]) -> None:
                          + "\n  ".join(problems))
 
 
+def check_loaded(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """What is unusable in ``model``'s managed weights (``MVASWeight.validate``) and ``optimizer``'s state tensors
+    (non-finite floats, fp8 codes that decode to NaN or infinity, negative scales), by name; this rank's tensors."""
+    problems = []
+    for name, p in model.named_parameters():
+        local = _local(p)
+        if isinstance(local, MVASWeight):
+            try:
+                local.validate()
+            except ValueError as exc:
+                problems.append(f"weight {name!r}: {exc}")
+    if optimizer is None:
+        return problems
+    keys = _optimizer_keys(model, optimizer)
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            name = keys[id(t)][0] if id(t) in keys else "?"
+            for key, v in optimizer.state.get(t, {}).items():
+                if not torch.is_tensor(v):
+                    continue
+                v = _local(v)
+                bad = nonfinite_codes(v) if v.dtype in FP8_DTYPES else (
+                    int((~torch.isfinite(v)).sum()) if v.is_floating_point() else 0)
+                if key.endswith("_scales"):
+                    bad = bad_scales(v)
+                if bad:
+                    problems.append(f"optimizer state {name}.{key}: {bad} values are NaN, infinite or negative")
+    return problems
+
+
+def _agree(failed: bool) -> bool:
+    """Whether any rank failed (every rank's verdict combined under a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return failed
+    flag = torch.tensor([1.0 if failed else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 @torch.no_grad()
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a ``save`` checkpoint into ``model`` (and ``optimizer``) in place, in this process's layout (any world
-    size whose shards are whole blocks); refused before reading anything if ``check_compatible`` fails."""
+    """Load a ``save`` checkpoint into ``model`` (and ``optimizer``, with its non-tensor state) in place, in this
+    process's layout (any world size whose shards are whole blocks). All or nothing (module docstring): refused
+    before reading anything if ``check_compatible`` fails, and put back as it was if reading fails part-way or what
+    it read is unusable.
+
+    Trust: torch unpickles the checkpoint's ``.metadata`` (module docstring): load only checkpoints from a trusted
+    source."""
+    path = os.fspath(path)
+    fresh = [] if optimizer is None else [t for group in optimizer.param_groups for t in group["params"]
+                                          if not optimizer.state.get(t)]
     if optimizer is not None:
         ensure_state(optimizer)
-    state = checkpoint_state(model, optimizer)
-    check_compatible(path, state)
-    dist_cp.load(state, checkpoint_id=os.fspath(path))
+    try:
+        state = checkpoint_state(model, optimizer)
+        check_compatible(path, state)
+        extras = None if optimizer is None else read_extras(path)
+    except BaseException:
+        _drop_state(optimizer, fresh)
+        raise
+    snapshot = TensorSnapshot(_local(v) for v in state.values() if torch.is_tensor(v))
+    try:
+        failure = None
+        try:
+            dist_cp.load(state, checkpoint_id=path)
+        except BaseException as exc:  # CheckpointException is a BaseException
+            failure = exc
+        problems = [] if failure is not None else check_loaded(model, optimizer)
+        if _agree(failure is not None or bool(problems)):
+            if failure is not None:
+                raise failure
+            raise ValueError(f"checkpoint {path} holds unusable values (nothing was loaded):\n  "
+                             + ("\n  ".join(problems[:10]) if problems else "on another rank"))
+        if optimizer is not None:
+            optimizer.load_state_dict({**optimizer.state_dict(), **extras})
+    except BaseException as exc:
+        snapshot.restore()
+        _drop_state(optimizer, fresh)
+        _mark_written(model)
+        if isinstance(exc, KeyboardInterrupt | SystemExit | ValueError):
+            raise
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # DCP's: a traceback per rank
+        raise RuntimeError(f"loading checkpoint {path} failed part-way ({type(exc).__name__}: "
+                           f"{lines[-1] if lines else ''}); the model and optimizer were put back as they were: "
+                           "nothing was loaded") from exc
+    _mark_written(model)
+
+
+def _drop_state(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> None:
+    """Drop the state ``ensure_state`` gave ``params`` (a load that did not happen leaves none)."""
+    for p in params:
+        optimizer.state.pop(p, None)
+
+
+def _mark_written(model: nn.Module) -> None:
     for p in model.parameters():
         local = _local(p)
         if isinstance(local, MVASWeight):

@@ -37,7 +37,8 @@ from macroarch.mvas import _kernels
 from macroarch.mvas.codecs.codes import cast, decode, draw_noise, encode
 from macroarch.mvas.codecs.formats import ROUNDINGS, Format, check_block_size, get_format, is_fake
 
-__all__ = ["CHUNK_NUMEL", "PackedTensor", "pack", "quantization_error", "quantize_dequantize", "unpack", "write_range"]
+__all__ = ["CHUNK_NUMEL", "PackedTensor", "bad_scales", "nonfinite_codes", "pack", "quantization_error",
+           "quantize_dequantize", "unpack", "write_range"]
 
 CHUNK_NUMEL = 1 << 22  # elements decoded or updated at a time in large tensors (16 MB of float32)
 
@@ -139,6 +140,37 @@ class PackedTensor:
                              f"{' with scales' if fmt.block_scaled else ' without scales'}; got {payload.dtype}"
                              f"{' without scales' if scales is None else ' with scales'}")
         return cls(fmt.name, tuple(int(s) for s in d["shape"]), dtype, d["block_size"], payload, scales)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+# the sign-less bits that make a stored code NaN or infinite: e4m3fn has no infinities and one NaN code per sign
+# (0x7F, 0xFF); e5m2's all-ones exponent is +-inf (0x7C, 0xFC) or NaN (0x7D-0x7F, 0xFD-0xFF)
+_NONFINITE_MASKS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+
+
+@torch.no_grad()
+def nonfinite_codes(payload: torch.Tensor) -> int:
+    """How many elements of a stored payload decode to NaN or infinity, whatever its scales: fp8 codes are tested
+    as bytes (``pack`` never writes these codes: it clamps to the format's range), bf16/fp16 payloads for NaN
+    (an fp16 weight may hold inf where its value overflowed the format), fp4 e2m1 bytes have no such code. Zero for
+    fake and meta tensors (no values). For loaders: a checkpoint holding such a code is corrupt."""
+    if is_fake(payload) or payload.numel() == 0:
+        return 0
+    mask = _NONFINITE_MASKS.get(payload.dtype)
+    if mask is not None:
+        return int(((payload.reshape(-1).view(torch.uint8) & mask) == mask).sum())
+    if payload.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return int(torch.isnan(payload).sum())
+    return 0
+
+
+@torch.no_grad()
+def bad_scales(scales: torch.Tensor | None) -> int:
+    """How many block scales are NaN, infinite or negative (``pack`` writes finite scales >= 0); zero for none and
+    for fake tensors."""
+    if scales is None or is_fake(scales) or scales.numel() == 0:
+        return 0
+    return int((~torch.isfinite(scales) | (scales < 0)).sum())
 
 
 # ------------------------------------------------------------------------------------------------ pack

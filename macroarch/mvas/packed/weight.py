@@ -48,12 +48,13 @@ Kernels are unaffected: they see the wrapper's own (contiguous) strides.
 
 **Serialisation**: ``torch.save`` pickles the packed form (payload, scales, format) exactly; the class is
 registered with ``torch.serialization.add_safe_globals``, so ``torch.load(weights_only=True)`` reads it back in a
-process that imported ``macroarch.mvas``. Loading validates the scales (finite, >= 0) and the sizes.
+process that imported ``macroarch.mvas``. Loading (``torch.load``, ``from_packed``) validates the sizes, the scales
+(finite, >= 0) and the payload (no code that decodes to NaN or infinity: ``packed_tensor.nonfinite_codes``).
 
 **Public storage API** (``MVASAdamW``, the store, and later a fused optimizer step): ``payload``, ``scales``,
 ``format``, ``block_size``, ``packed()``, ``dequantize()``, ``dequantize_range()``, ``write()``,
-``write_range()``, ``write_unit``, ``repack()``, and ``mark_written()`` after writing the payload directly. An
-optimizer that writes through it declares ``supports_mvas_weights = True``.
+``write_range()``, ``write_unit``, ``repack()``, ``validate()``, and ``mark_written()`` after writing the payload
+directly. An optimizer that writes through it declares ``supports_mvas_weights = True``.
 **FSDP2** (the tensor-subclass protocol, as torchao's float8 weights implement it; ``macroarch.mvas.interop.fsdp``
 wraps ``fully_shard``): ``fsdp_pre_all_gather`` returns the local shard's ``(payload, scales)`` and
 ``(format, block_size, shape)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and scales in an
@@ -91,7 +92,7 @@ from macroarch._compat.subclass import (
 from macroarch.mvas import _kernels
 from macroarch.mvas.codecs.formats import FORMATS, get_format
 from macroarch.mvas.packed.linear import linear
-from macroarch.mvas.packed.packed_tensor import PackedTensor, pack, write_range
+from macroarch.mvas.packed.packed_tensor import PackedTensor, bad_scales, nonfinite_codes, pack, write_range
 
 __all__ = ["MVASWeight", "shard_problem", "sharding"]
 
@@ -249,6 +250,12 @@ class MVASWeight(torch.Tensor):
         self.payload, self.scales = packed.payload, packed.scales
         self.format, self.block_size = packed.format, packed.block_size
         _bump(self)
+
+    def validate(self) -> None:
+        """Raise ValueError unless the storage is what the format stores for the shape and every value is usable
+        (finite non-negative scales, no payload code that decodes to NaN or infinity), as ``from_packed`` and
+        ``torch.load`` check: for loaders that fill the payload and scales in place (``interop.dcp``)."""
+        _check_packed(self.format, self.block_size, self._packed_shape, self.payload, self.scales)
 
     def mark_written(self) -> None:
         """Record a write made straight into ``payload`` / ``scales`` (a fused optimizer kernel): a backward that
@@ -525,8 +532,9 @@ def _bump(weight: MVASWeight) -> None:
 
 def _check_packed(fmt_name: str, block_size: int | None, shape: tuple[int, ...], payload: torch.Tensor,
                   scales: torch.Tensor | None) -> None:
-    """Raise ValueError unless payload and scales are what ``format`` stores for ``shape`` (dtypes, sizes, and
-    finite, non-negative scales; fake tensors are checked for sizes only)."""
+    """Raise ValueError unless payload and scales are what ``format`` stores for ``shape`` (dtypes, sizes, finite
+    non-negative scales, no payload code that decodes to NaN or infinity; fake tensors are checked for sizes
+    only)."""
     if fmt_name not in FORMATS:
         raise ValueError(f"unknown MVAS format {fmt_name!r}; known: {', '.join(FORMATS)}")
     fmt = FORMATS[fmt_name]
@@ -538,6 +546,7 @@ def _check_packed(fmt_name: str, block_size: int | None, shape: tuple[int, ...],
     if not fmt.block_scaled:
         if scales is not None:
             raise ValueError(f"{fmt.name} stores no scales; got {scales.numel()}")
+        _check_codes(fmt.name, shape, payload)
         return
     n_scales = 1 if block_size is None else numel // block_size
     if scales is None or scales.dtype != torch.float32 or scales.numel() != n_scales or (
@@ -545,11 +554,19 @@ def _check_packed(fmt_name: str, block_size: int | None, shape: tuple[int, ...],
         got = "none" if scales is None else f"{scales.numel()} {scales.dtype}"
         raise ValueError(f"a {fmt.name} weight of {numel} elements in blocks of {block_size or numel} needs "
                          f"{n_scales} float32 scales; got {got}")
-    if scales.device.type != "meta" and type(scales).__name__ != "FakeTensor":
-        bad = int((~torch.isfinite(scales) | (scales < 0)).sum())
-        if bad:
-            raise ValueError(f"{bad} of the {n_scales} block scales of a {fmt.name} weight of shape {tuple(shape)} "
-                             "are NaN, infinite or negative: the checkpoint is corrupt (refused)")
+    bad = bad_scales(scales)
+    if bad:
+        raise ValueError(f"{bad} of the {n_scales} block scales of a {fmt.name} weight of shape {tuple(shape)} "
+                         "are NaN, infinite or negative: the checkpoint is corrupt (refused)")
+    _check_codes(fmt.name, shape, payload)
+
+
+def _check_codes(fmt: str, shape: tuple[int, ...], payload: torch.Tensor) -> None:
+    """Raise ValueError if a payload element decodes to NaN or infinity (``nonfinite_codes``)."""
+    bad = nonfinite_codes(payload)
+    if bad:
+        raise ValueError(f"{bad} of the {payload.numel()} payload codes of a {fmt} weight of shape {tuple(shape)} "
+                         "decode to NaN or infinity: the checkpoint is corrupt (refused)")
 
 
 def _refuse_unaware_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

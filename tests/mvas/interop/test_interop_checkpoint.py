@@ -128,3 +128,159 @@ def test_a_dense_checkpoint_with_nan_is_refused_and_nothing_loads():
     with pytest.raises(ValueError, match=f"cannot be packed: {name}: the dense value has inf or NaN"):
         net.load_state_dict(state)
     assert all(torch.equal(before[n][0], p[0]) for n, p in _payloads(net).items())
+
+
+# ------------------------------------------------------------------------------------------- refused packed loads
+def _sha256(t):
+    """The sha256 of a tensor's bytes, computed here (the reference ``save_packed``'s checksums must equal)."""
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _write(path, tensors, compute='{}', checksums=True):
+    """A packed file written by hand: ``tensors`` with ``save_packed``'s metadata (checksums of these tensors)."""
+    import json
+
+    import safetensors.torch
+
+    metadata = {"format": "pt", "mvas_compute_dtypes": compute}
+    if checksums:
+        metadata["mvas_checksums"] = json.dumps({k: _sha256(v) for k, v in tensors.items()})
+    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+    return path
+
+
+def _registered(net):
+    return [(m, name, p, p.detach().contiguous().reshape(-1).view(torch.uint8).clone())
+            for m in net.modules() for name, p in m.named_parameters(recurse=False, remove_duplicate=False)]
+
+
+def _unchanged(net, before):
+    now = [(m, n, p) for m in net.modules() for n, p in m.named_parameters(recurse=False, remove_duplicate=False)]
+    assert len(now) == len(before)
+    for (m, name, p), (m0, name0, p0, bits) in zip(now, before, strict=True):
+        assert m is m0 and name == name0 and p is p0 and type(p) is type(p0), name
+        assert torch.equal(p.detach().contiguous().reshape(-1).view(torch.uint8), bits), name
+
+
+def test_save_packed_writes_each_tensors_sha256(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    net, fresh, loss_fn, _ = _llama()
+    path = save_packed(net, tmp_path)
+    with safe_open(path, framework="pt") as f:
+        checksums = json.loads(f.metadata()["mvas_checksums"])
+        assert checksums == {k: _sha256(f.get_tensor(k)) for k in f.keys()}
+    assert checksums.keys() == packed_state_dict(net).keys()
+
+
+@pytest.mark.parametrize("fault", ["unexpected key", "missing key", "shape"])
+def test_a_refused_load_packed_leaves_a_dense_model_as_it_was(tmp_path, fault):
+    net, fresh, loss_fn, _ = _llama()
+    tensors = packed_state_dict(net)
+    if fault == "unexpected key":
+        tensors["lm_head.extra"] = torch.zeros(3)
+    elif fault == "missing key":
+        del tensors[next(k for k in tensors if k.endswith("norm.weight"))]
+    else:
+        key = next(k for k in tensors if k.endswith("norm.weight"))
+        tensors[key] = torch.ones(tensors[key].numel() + 1, dtype=tensors[key].dtype)
+    path = _write(tmp_path / "bad.safetensors", tensors, '{"x": "float32"}')
+    dense = copy.deepcopy(fresh)
+    before = _registered(dense)
+    with pytest.raises((ValueError, RuntimeError)):
+        load_packed(dense, path)
+    _unchanged(dense, before)  # the same Parameter objects, not re-quantised
+    assert not dense._load_state_dict_pre_hooks  # no store left behind
+    assert load_packed(dense, save_packed(net, tmp_path)) is not None  # and the good file loads after
+
+
+def test_a_refused_load_packed_leaves_a_managed_model_as_it_was(tmp_path):
+    net, fresh, loss_fn, _ = _llama()
+    other = copy.deepcopy(fresh)
+    apply(other, plan_from_rules(other, RULES, block_size=16, min_numel=256))
+    tensors = packed_state_dict(net)
+    tensors["lm_head.extra"] = torch.zeros(3)
+    before = _registered(other)
+    with pytest.raises(ValueError, match=r"unexpected: \['lm_head.extra'\].*Nothing was loaded"):
+        load_packed(other, _write(tmp_path / "bad.safetensors", tensors))
+    _unchanged(other, before)
+
+
+def _flip(path, key, count=64):
+    """Flip ``count`` bytes in the middle of tensor ``key``'s data, found from the safetensors header."""
+    import json
+
+    raw = bytearray(path.read_bytes())
+    header = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8:8 + header])[key]["data_offsets"]
+    start = 8 + header + begin + (end - begin - count) // 2
+    assert end - begin >= count
+    raw[start:start + count] = bytes(b ^ 0xA5 for b in raw[start:start + count])
+    path.write_bytes(bytes(raw))
+
+
+def test_flipped_bytes_are_refused_naming_the_tensor(tmp_path):
+    net, fresh, loss_fn, _ = _llama()
+    path = save_packed(net, tmp_path)
+    key = next(k for k in packed_state_dict(net) if "mlp" in k and k.endswith("__mvas_payload"))  # fp4: any byte
+    _flip(tmp_path / "mvas_model.safetensors", key)
+    for target in (copy.deepcopy(fresh), net):
+        before = _registered(target)
+        with pytest.raises(ValueError, match=f"{key}: its bytes do not match its sha256.*Nothing was loaded"):
+            load_packed(target, path)
+        _unchanged(target, before)
+
+
+def test_a_file_without_checksums_is_refused_unless_asked(tmp_path):
+    net, fresh, loss_fn, _ = _llama()
+    path = _write(tmp_path / "old.safetensors", packed_state_dict(net), '{"x": "float32"}', checksums=False)
+    with pytest.raises(ValueError, match="carries no checksums.*verify=False"):
+        load_packed(copy.deepcopy(fresh), path)
+    restored = copy.deepcopy(fresh)
+    load_packed(restored, path, verify=False)
+    assert torch.equal(loss_fn(restored), loss_fn(net))
+
+
+def _two_formats():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    dense = copy.deepcopy(net)
+    apply(net, plan_from_rules(net, [("0.weight", "fp8_e4m3"), ("1.weight", "fp8_e5m2")], block_size=16,
+                               min_numel=0))
+    return net, dense
+
+
+@pytest.mark.parametrize(("key", "code"), [("0.weight", 0x7F), ("0.weight", 0xFF), ("1.weight", 0x7C),
+                                           ("1.weight", 0xFC), ("1.weight", 0x7E)])
+def test_payload_codes_that_decode_to_nan_or_inf_are_refused_on_every_load(tmp_path, key, code):
+    net, dense = _two_formats()
+    tensors = packed_state_dict(net)
+    tensors[key + "__mvas_payload"] = tensors[key + "__mvas_payload"].clone()
+    tensors[key + "__mvas_payload"].view(torch.uint8)[5] = code
+    bad = f"{key}: 1 of the 2048 payload codes .*decode to NaN or infinity.*Nothing was loaded"
+    path = _write(tmp_path / "nan.safetensors", tensors, '{"0.weight": "float32", "1.weight": "float32"}')
+    for target in (copy.deepcopy(dense), _two_formats()[0]):  # into a dense model, into a managed one
+        before = _registered(target)
+        with pytest.raises(ValueError, match=bad):
+            load_packed(target, path)
+        _unchanged(target, before)
+    managed = _two_formats()[0]
+    before = _registered(managed)
+    with pytest.raises(ValueError, match=bad):  # the flat form through load_state_dict
+        managed.load_state_dict(tensors)
+    weight = copy.deepcopy(net.state_dict()[key])
+    weight.payload.view(torch.uint8)[5] = code
+    with pytest.raises(ValueError, match=f"corrupt: {key}: 1 of the 2048 payload codes"):  # an MVASWeight itself
+        managed.load_state_dict({**net.state_dict(), key: weight})
+    _unchanged(managed, before)
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(weight, buffer)
+    buffer.seek(0)
+    with pytest.raises(ValueError, match="decode to NaN or infinity"):  # and torch.load
+        torch.load(buffer, weights_only=True)

@@ -29,8 +29,9 @@ def optimizer(params, **kwargs):
 
 
 def snapshot(model, opt):
-    """Every byte of the weights (payload, scales, dense) and the optimizer state this process holds."""
-    out = {}
+    """Every byte of the weights (payload, scales, dense) and the optimizer state this process holds, and the
+    optimizer's non-tensor state (its scheduled learning rate, stochastic-rounding seed and skip count)."""
+    out = {"extras": (opt.param_groups[0]["lr"], opt.seed, opt.skipped_nonfinite)}
     for name, p in model.named_parameters():
         local = getattr(p, "_local_tensor", p)
         if isinstance(local, MVASWeight):
@@ -64,6 +65,7 @@ def rank_save(path, path_ws):
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+    opt.param_groups[0]["lr"], opt.seed, opt.skipped_nonfinite = 4e-3, 11, 3  # as a schedule and a run leave them
     mvas_dcp.save(path, model, opt)
     # shards of 1024 elements: below min_state_numel=2048 each rank keeps dense moments; one rank packs them
     wide = optimizer(list(model.parameters()), min_state_numel=2048)
@@ -92,7 +94,11 @@ def test_two_ranks_to_one_and_back_is_bit_exact_and_other_layouts_are_refused(tm
     opt = optimizer(list(model.parameters()))
     mvas_dcp.load(a, model, opt)
     one = snapshot(model, opt)
+    # DCP holds tensors only: the optimizer's other state is carried beside it
+    assert one["extras"] == tuple(saved[0]["extras"]) == tuple(saved[1]["extras"]) == (4e-3, 11, 3)
     for key, value in one.items():
+        if key == "extras":
+            continue
         if key.endswith(".step"):
             assert value == saved[0][key] == saved[1][key]
         else:  # rank 0's shard, then rank 1's: the whole tensor's bytes (flat payloads and scales each)
