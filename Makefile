@@ -14,6 +14,10 @@ $(STAMP): requirements.txt pyproject.toml
 	@$(BIN)/python -c 'import sys; assert sys.version_info[:2] == (3, 11), "macroarch needs Python 3.11, .venv has %s" % sys.version.split()[0]'
 	$(BIN)/python -m pip install --quiet --requirement requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --editable .
+	@# JupyterLab's kernel for the notebooks (they ask for "macroarch": this venv's python), and git's filter that
+	@# keeps committed notebooks output-stripped whatever a user runs or saves in them
+	$(BIN)/python -m ipykernel install --sys-prefix --name macroarch --display-name "Python 3 (macroarch)" >/dev/null
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbstripout --install --keep-id; fi
 	@touch $@
 
 # The main job: every notebook of the cpu profile (W&B offline unless configured), then paper/.

@@ -66,6 +66,7 @@ _EXPORTS = {
     "DGRWrapper": "macroarch.dgr",
     "GradientCompensator": "macroarch.dgr",
     "MVASAdamW": "macroarch.mvas",
+    "plan": "macroarch.planner",
     "MVASSchedule": "macroarch.mvas",
     "CompensatedAdamW": "macroarch.optim",
     "LossSpikeGuard": "macroarch.optim",

@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--source", default="results", help="results (result.json files) or wandb (offline runs)")
     pp.set_defaults(fn=_cmd_paper)
 
+    from macroarch.planner.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
+
     c = sub.add_parser("claims", help="the claims registry with the latest verdict per profile")
     c.add_argument("--markdown", action="store_true", help="the registry as the Markdown table of docs/claims.md")
     c.set_defaults(fn=_cmd_claims)

@@ -1,0 +1,446 @@
+"""``plan``: will this model's training step fit these devices, and with which techniques?
+
+For every combination of the techniques asked for (always with the plain step as the reference), one full
+training step of the model is run under fake tensors (``macroarch.planner.run``) and reported per device: bytes by
+category, the measured peak, whether it fits the budget and by how much, and the largest batch (or sequence,
+image side) that fits, searched with ``macroarch.measure.fit.largest_fitting`` on further fake steps. The cheapest
+fitting combination is the one with the least measured slowdown (``macroarch.planner.slowdown``); combinations
+whose slowdown is unmeasured fit or not, but are never called cheapest.
+
+What is counted, stated in every plan's notes:
+
+- live tensor bytes of CPU kernels (MemTracker under ``FakeTensorMode``). A CUDA run also needs its context,
+  cuBLAS/cuDNN workspaces and the caching allocator's rounding and fragmentation (not counted); budgets are in
+  bytes as given (GB = 1e9; a card's is its memory size in the accelerator table).
+- attention: transformers models are built with SDPA by default, whose CPU kernel (flash attention for CPU)
+  saves the output and an fp32 log-sum-exp per query row and no score matrix, as CUDA's flash and
+  memory-efficient kernels do; ``attention="eager"`` saves the scores.
+- the GPU-kernel correction of ``macroarch.measure.memory.analytic`` (``activation_terms(device_type=...)``: on
+  CUDA dropout keeps 1-byte masks and LayerNorm fp32 statistics, on CPU both are in the activation dtype) is
+  applied where the project has it: the Llama and GPT-2 families, eager attention, no checkpointing. Elsewhere
+  the CPU kernels' bytes are reported and the plan says so.
+- where a model cannot run under fake tensors, its reference step falls back to the analytic training state
+  (``training_state_bytes``; activations from ``activation_bytes`` where the family has them, else not counted),
+  and the plan names the error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from macroarch.measure.memory import StepMemory
+from macroarch.planner.models import Model, PlanError, resolve
+from macroarch.planner.run import (
+    TECHNIQUES,
+    Bytes,
+    DepthPlan,
+    Measured,
+    Setup,
+    depth_plan,
+    fsdp2_model,
+    fsdp_units,
+    measure_full,
+)
+from macroarch.planner.slowdown import Slowdown, slowdown
+
+GB = 1e9
+SEARCHES = ("batch", "seq")
+_ORDER = {t: i for i, t in enumerate(TECHNIQUES)}
+
+
+def _name(techniques: Sequence[str]) -> str:
+    return "+".join(sorted(techniques, key=_ORDER.__getitem__)) or "plain"
+
+
+@dataclass
+class Combination:
+    """One combination's answer (per device).
+
+    Attributes:
+        techniques: the techniques, in ``TECHNIQUES`` order (empty: the plain step).
+        bytes: bytes by category and the peak at the requested size (None when it could not be measured).
+        how: how the bytes were obtained (fake tensors at which depths, modelled, analytic).
+        fits: peak <= budget (None without a budget).
+        headroom: budget - peak in bytes (negative: over by that much).
+        largest: the largest batch (or ``search`` size) whose peak fits (None: none fits, or no budget).
+        largest_capped: the search stopped at its maximum size, so larger ones may fit too.
+        slowdown: the measured step-time ratio and its source, or unmeasured.
+        notes: what else applies to this combination.
+        error: why it could not be measured.
+    """
+
+    techniques: tuple[str, ...]
+    bytes: Bytes | None
+    how: str
+    fits: bool | None = None
+    headroom: int | None = None
+    largest: int | None = None
+    largest_capped: bool = False
+    slowdown: Slowdown = field(default_factory=lambda: slowdown(frozenset()))
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return _name(self.techniques)
+
+    def to_json(self) -> dict[str, Any]:
+        b = self.bytes
+        out: dict[str, Any] = {"name": self.name, "techniques": list(self.techniques)}
+        out.update(b.categories if b is not None else dict.fromkeys(("weights", "gradients", "master", "optimizer",
+                                                                     "activations")))
+        out.update(peak=None if b is None else b.peak, at_peak=None if b is None else b.at_peak, fits=self.fits,
+                   headroom=self.headroom, largest=self.largest, largest_capped=self.largest_capped,
+                   slowdown=self.slowdown.ratio, slowdown_range=[self.slowdown.low, self.slowdown.high],
+                   slowdown_source=self.slowdown.source, how=self.how, notes=self.notes, error=self.error)
+        return out
+
+
+@dataclass
+class Plan:
+    """What ``plan`` answers (``text()`` for people, ``to_json()`` for scripts)."""
+
+    model: dict[str, Any]
+    workload: dict[str, Any]
+    budget_bytes: int | None
+    budget_source: str | None
+    combinations: list[Combination]
+    cheapest: str | None
+    verdict: str
+    notes: list[str]
+    seconds: float
+
+    def combination(self, name: str) -> Combination:
+        for c in self.combinations:
+            if c.name == name:
+                return c
+        raise KeyError(f"no combination {name!r}; have {[c.name for c in self.combinations]}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "workload": self.workload, "budget_bytes": self.budget_bytes,
+                "budget_source": self.budget_source, "combinations": [c.to_json() for c in self.combinations],
+                "cheapest": self.cheapest, "verdict": self.verdict, "notes": self.notes, "seconds": self.seconds}
+
+    def text(self) -> str:
+        from macroarch.planner.report import text
+
+        return text(self)
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+def _budget(gpu: str | None, budget_gb: float | None) -> tuple[int | None, str | None]:
+    if gpu is not None and budget_gb is not None:
+        raise PlanError("give --gpu or --budget, not both")
+    if budget_gb is not None:
+        if isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float) or not budget_gb > 0:
+            raise PlanError(f"budget={budget_gb!r} GB must be a positive number")
+        return int(budget_gb * GB), f"{budget_gb:g} GB"
+    if gpu is None:
+        return None, None
+    from macroarch.measure.hardware import ACCELERATORS
+
+    for card in ACCELERATORS.values():
+        if gpu.lower() in (card.key.lower(), card.name.lower()):
+            return int(card.memory_gb * GB), f"{card.name} ({card.memory_gb:g} GB, macroarch.measure.hardware)"
+    known = ", ".join(f"{c.key} ({c.name})" for c in ACCELERATORS.values())
+    raise PlanError(f"unknown --gpu {gpu!r}; known: {known}")
+
+
+def _techniques(techniques: str | Sequence[str], devices: int) -> tuple[str, ...]:
+    items = [t.strip() for t in techniques.split(",")] if isinstance(techniques, str) else list(techniques)
+    items = [t for t in items if t]
+    unknown = [t for t in items if t not in TECHNIQUES]
+    if unknown:
+        raise PlanError(f"unknown technique {unknown[0]!r}; known: {', '.join(TECHNIQUES)}")
+    if "master" in items and "mvas" not in items:
+        raise PlanError("technique 'master' (MVAS's fp32 master copies) needs 'mvas' too")
+    if "fsdp2" in items and devices < 2:
+        raise PlanError(f"technique 'fsdp2' shards over --devices; got devices={devices} (give 2 or more)")
+    return tuple(sorted(set(items), key=_ORDER.__getitem__))
+
+
+def _setup(policy: Any, dtype: str, group_size: int | None, devices: int) -> tuple[Setup, str]:
+    from macroarch.config import ConfigError, MVASConfig, load_config
+    from macroarch.measure.memory import get_precision
+
+    try:
+        precision = get_precision(dtype)
+    except ValueError as e:
+        raise PlanError(f"--dtype: {e}") from None
+    mvas, source, size = MVASConfig(precision_policy={"*": "fp8"}), "default: every packable weight in fp8", None
+    if policy is not None:
+        try:
+            config = load_config(policy)
+        except (ConfigError, OSError) as e:
+            raise PlanError(f"--policy {policy}: {e}") from None
+        if config.uses_mvas:
+            mvas, source = config.mvas, f"from {policy}"
+        if config.uses_dgr:
+            size = config.dgr.group_size
+    size = group_size if group_size is not None else (size or 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise PlanError(f"group_size={size!r} must be a positive int")
+    return Setup(precision, mvas, size, devices), source
+
+
+def _positive(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}={value!r} must be a positive int")
+
+
+# ----------------------------------------------------------------------------------------------- per combination
+def _correction(model: Model, setup: Setup, combo: frozenset[str], batch: int, seq: int | None
+                ) -> tuple[int, str | None]:
+    """Bytes to add to the CPU kernels' activations for CUDA's (module docstring), and what was done."""
+    if model.shape is None or model.seq_name != "tokens":
+        return 0, None
+    from macroarch.measure.memory import activation_bytes
+
+    shape = model.shape
+    cuda = activation_bytes(shape, batch, seq, setup.policy, device_type="cuda")["total"]
+    cpu = activation_bytes(shape, batch, seq, setup.policy, device_type="cpu")["total"]
+    delta = cuda - cpu
+    if delta == 0:
+        return 0, (f"GPU-kernel correction: 0 bytes ({shape.family}: CPU and CUDA kernels save the same tensors, "
+                   f"macroarch.measure.memory.analytic)")
+    if model.attention != "eager" or "checkpoint" in combo:
+        why = "checkpointing" if "checkpoint" in combo else f"{model.attention} attention"
+        return 0, (f"GPU-kernel correction not applied ({why}; the project's counts eager attention without "
+                   f"recomputation): CUDA would save {-delta / GB:+.3f} GB of dropout masks and norm statistics")
+    return delta, (f"GPU-kernel correction applied: {delta / GB:+.3f} GB of activations (CUDA's 1-byte dropout masks "
+                   f"and fp32 LayerNorm statistics, macroarch.measure.memory.analytic.activation_terms)")
+
+
+def _corrected(b: Bytes, delta: int) -> Bytes:
+    if not delta:
+        return b
+    cats = dict(b.categories, activations=b.categories["activations"] + delta)
+    at_peak = dict(b.at_peak, activations=b.at_peak.get("activations", 0) + delta)
+    return Bytes(cats, b.peak + delta, at_peak)
+
+
+def _analytic(model: Model, setup: Setup, batch: int, seq: int | None, error: Exception) -> Combination:
+    from macroarch.measure.memory import activation_bytes, training_state_bytes
+
+    meta = model.build(None, setup.policy.param_dtype, seq if model.seq_name != "tokens" else None)
+    n = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+    state = training_state_bytes(n, setup.policy)
+    act, act_note = 0, "activations not counted (no analytic count for this family)"
+    if model.shape is not None and model.seq_name == "tokens":
+        act = activation_bytes(model.shape, batch, seq, setup.policy, device_type="cuda")["total"]
+        act_note = "activations from activation_bytes (eager attention, CUDA kernels)"
+    cats = {"weights": state["parameters"], "gradients": state["gradients"], "master": state["master_weights"],
+            "optimizer": state["optimizer_state"], "activations": act}
+    how = (f"analytic fallback: the fake-tensor step failed ({type(error).__name__}: {str(error).splitlines()[0]}); "
+           f"training_state_bytes of {n:,} parameters, {act_note}; peak = their sum (not measured)")
+    return Combination((), Bytes(cats, sum(cats.values()), {}), how)
+
+
+def _as_step(b: Bytes) -> StepMemory:
+    return StepMemory(peak_bytes=b.peak, by_category=b.at_peak, max_by_category=b.categories, seconds=0.0)
+
+
+@dataclass
+class _Context:
+    model: Model
+    setup: Setup
+    batch: int
+    seq: int | None
+    search: str
+    budget: int | None
+    units: Any = None
+    dense_weights: int = 0
+
+
+def _measure_combo(ctx: _Context, combo: frozenset[str], check: bool = True) -> tuple[Measured, Any]:
+    """The fake-tensor bytes of ``combo`` at the requested size, and ``at(size) -> Bytes`` for the search."""
+    depth = depth_plan(ctx.model, combo, ctx.setup, check=check)
+    measured = measure_full(ctx.model, combo, ctx.setup, ctx.batch, ctx.seq, depth)
+    quick = DepthPlan(measured.depth.depths[:2], measured.depth.full)
+
+    def at(size: int) -> Bytes:
+        b, s = (size, ctx.seq) if ctx.search == "batch" else (ctx.batch, size)
+        return measure_full(ctx.model, combo, ctx.setup, b, s, quick).bytes
+
+    return measured, at
+
+
+def _derive(ctx: _Context, combo: frozenset[str], b: Bytes, size: int) -> tuple[Bytes, list[str]]:
+    """The GPU-kernel correction and FSDP2's sharding applied to one-device fake-tensor bytes."""
+    batch, seq = (size, ctx.seq) if ctx.search == "batch" else (ctx.batch, size)
+    delta, note = _correction(ctx.model, ctx.setup, combo, batch, seq)
+    b = _corrected(b, delta)
+    notes = [note] if note else []
+    if "fsdp2" in combo:
+        b = fsdp2_model(b, ctx.units, ctx.dense_weights, ctx.setup.devices)
+        notes.append(f"fsdp2 modelled from the one-device step (not run: no process group here): state / "
+                     f"{ctx.setup.devices}, plus the unsharded root unit, two blocks' weights and one block's "
+                     f"gradients (macroarch.planner.run.fsdp2_model)")
+    return b, notes
+
+
+def _largest(ctx: _Context, combo: frozenset[str], at: Any, first: Bytes) -> tuple[int | None, bool, str | None]:
+    from macroarch.measure.fit import MeasureCache, largest_fitting
+
+    def measure(size: int) -> StepMemory:
+        if size == (ctx.batch if ctx.search == "batch" else ctx.seq):
+            return _as_step(first)
+        return _as_step(_derive(ctx, combo, at(size), size)[0])
+
+    max_size = 1 << 16 if ctx.search == "batch" else 1 << 20
+    try:
+        fit = largest_fitting(MeasureCache(measure), ctx.budget, start=1, max_size=max_size,
+                              unit="sample" if ctx.search == "batch" else "token")
+    except ValueError as e:
+        return None, False, str(e)
+    return fit.size, fit.capped, None
+
+
+def _combination(ctx: _Context, combo: frozenset[str], base: dict[frozenset[str], tuple[Measured, Any]]
+                 ) -> Combination:
+    one = combo - {"fsdp2"}
+    measured, at = base[one]
+    size = ctx.batch if ctx.search == "batch" else ctx.seq
+    b, notes = _derive(ctx, combo, measured.bytes, size)
+    how = "fake tensors (CPU kernels), " + measured.how
+    c = Combination(tuple(sorted(combo, key=_ORDER.__getitem__)), b, how, slowdown=slowdown(combo), notes=notes)
+    if ctx.budget is not None:
+        c.fits, c.headroom = b.peak <= ctx.budget, ctx.budget - b.peak
+        c.largest, c.largest_capped, why = _largest(ctx, combo, at, b)
+        if why:
+            c.notes.append(f"largest {ctx.search}: none fits ({why})")
+    return c
+
+
+def _verdict(combos: list[Combination], budget: int | None, search: str) -> tuple[str | None, str]:
+    if budget is None:
+        return None, "no budget given (--gpu or --budget): bytes only"
+    measured = [c for c in combos if c.bytes is not None]
+    fitting = [c for c in measured if c.fits]
+    if not fitting:
+        closest = min(measured, key=lambda c: c.bytes.peak)
+        return None, (f"fits nowhere: the closest is {closest.name} at {closest.bytes.peak / GB:.2f} GB, "
+                      f"{-closest.headroom / GB:.2f} GB over the {budget / GB:.2f} GB budget")
+    ranked = [c for c in fitting if c.slowdown.measured]
+    if not ranked:
+        simplest = min(fitting, key=lambda c: (len(c.techniques), c.bytes.peak))
+        return None, (f"fits with {', '.join(c.name for c in fitting)}; none of them has a measured slowdown, so "
+                      f"none is called cheapest (fewest techniques: {simplest.name})")
+    best = min(ranked, key=lambda c: (c.slowdown.ratio, c.bytes.peak))
+    return best.name, (f"cheapest that fits: {best.name} (expected slowdown {best.slowdown.text()}, measured; "
+                       f"{best.headroom / GB:.2f} GB to spare, largest {search} {best.largest})")
+
+
+# ----------------------------------------------------------------------------------------------- plan
+def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, gpu: str | None = None,
+         budget_gb: float | None = None, devices: int = 1, techniques: str | Sequence[str] = (),
+         policy: str | None = None, dtype: str = "bf16_mixed", group_size: int | None = None,
+         attention: str = "sdpa", search: str = "batch") -> Plan:
+    """Plan one training step of ``model`` (module docstring).
+
+    Args:
+        model: a model spec (``macroarch.planner.models``: a config.json or its directory, a project builder, an
+            open_clip or timm name, ``module:fn``), or a resolved ``Model``.
+        batch: samples per device per step.
+        seq: tokens per sample (text), or the image side (vision; default: the model's).
+        gpu, budget_gb: the per-device budget: an accelerator-table key or name, or GB (1e9 bytes).
+        devices: the device count (``fsdp2`` shards over it; the batch stays per device).
+        techniques: ``mvas``, ``master`` (MVAS's fp32 master copies), ``dgr``, ``checkpoint``, ``fsdp2``, as a list
+            or comma-separated; every combination of them is planned, the plain step too.
+        policy: a technique config (YAML, as ``configs/clip_post.yaml``): its MVAS policy and DGR group size.
+        dtype: the dtype recipe, a name in ``macroarch.measure.memory.PRECISIONS`` (``bf16_mixed``, ``fp32``,
+            ``post``, ``fp16``, ``mixed``).
+        group_size: DGR's blocks per group (default: the policy's, else 1).
+        attention: transformers models' attention implementation (``"sdpa"`` or ``"eager"``).
+        search: what the largest fitting size varies: ``"batch"`` or ``"seq"``.
+
+    Raises ``PlanError`` (a ``ValueError``) naming any bad input.
+    """
+    start = time.perf_counter()
+    _positive("batch", batch)
+    _positive("seq", seq, optional=True)
+    _positive("devices", devices)
+    if search not in SEARCHES:
+        raise PlanError(f"search={search!r} must be one of {SEARCHES}")
+    if attention not in ("sdpa", "eager"):
+        raise PlanError(f"attention={attention!r} must be 'sdpa' or 'eager'")
+    budget, budget_source = _budget(gpu, budget_gb)
+    wanted = _techniques(techniques, devices)
+    setup, mvas_source = _setup(policy, dtype, group_size, devices)
+    m = model if isinstance(model, Model) else resolve(model, attention=attention)
+    model = m.name
+    if seq is None and m.default_seq is None:
+        raise PlanError(f"{model}: give --seq (the number of {m.seq_name})")
+    seq = m.default_seq if seq is None else seq
+    if search == "seq" and m.seq_name != "tokens":
+        raise PlanError(f"{model}: search='seq' varies tokens; this model's seq is its {m.seq_name}")
+    ctx = _Context(m, setup, batch, seq, search, budget)
+    meta = m.build(None, setup.policy.param_dtype, seq if m.seq_name != "tokens" else None)
+    n_params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+    del meta
+    if "fsdp2" in wanted:
+        ctx.units = fsdp_units(m, setup.policy.param_dtype, seq if m.seq_name != "tokens" else None)
+        ctx.dense_weights = n_params * setup.policy.param_dtype.itemsize
+    fake = [t for t in wanted if t != "fsdp2"]
+    combos = [frozenset(s) for r in range(len(fake) + 1) for s in itertools.combinations(fake, r)
+              if "master" not in s or "mvas" in s]
+    base: dict[frozenset[str], tuple[Measured, Any]] = {}
+    results: list[Combination] = []
+    for combo in combos:
+        try:
+            base[combo] = _measure_combo(ctx, combo)
+        except PlanError:
+            raise
+        except Exception as e:  # a module that cannot run under fake tensors, or a technique that refuses it
+            if not combo:
+                results.append(_analytic(m, setup, batch, seq, e))
+            else:
+                results.append(Combination(tuple(sorted(combo, key=_ORDER.__getitem__)), None, "not measured",
+                                           slowdown=slowdown(combo),
+                                           error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    for combo in combos:
+        if combo not in base:
+            continue
+        results.append(_combination(ctx, combo, base))
+        if "fsdp2" in wanted:
+            results.append(_combination(ctx, combo | {"fsdp2"}, base))
+    results.sort(key=lambda c: (len(c.techniques), [_ORDER[t] for t in c.techniques]))
+    cheapest, verdict = _verdict(results, budget, search)
+    notes = [
+        "bytes per device: live tensors of one steady-state training step (forward with the loss, backward, "
+        "optimizer step), MemTracker under FakeTensorMode with CPU kernels; not counted: the CUDA context, "
+        "cuBLAS/cuDNN workspaces, the caching allocator's rounding and fragmentation",
+        "peak: the largest total over the step (temporaries, inputs and buffers included); the categories are "
+        "each one's own maximum and do not add up to it",
+        f"attention: {m.attention}" + (" (CPU flash kernel: output and an fp32 log-sum-exp per row, no score "
+                                       "matrix, as CUDA's flash kernels)" if m.attention == "sdpa" else ""),
+        f"dtype recipe {setup.policy.name}: {setup.policy.description}",
+    ]
+    if any("mvas" in c.techniques for c in results):
+        notes.append(f"MVAS policy {mvas_source}; moments in {setup.mvas.state_format}")
+    if any("dgr" in c.techniques for c in results):
+        notes.append(f"DGR-sync, groups of {setup.group_size} block(s)")
+    if m.shape is None:
+        notes.append("no GPU-kernel correction for this family: CPU kernels' bytes (on CUDA, dropout masks are "
+                     "1 byte per element and LayerNorm statistics fp32; on CPU both are in the activation dtype)")
+    if devices > 1 and "fsdp2" not in wanted:
+        notes.append(f"--devices {devices} without fsdp2: every device holds the whole step (data parallel)")
+    layers = "+".join(map(str, m.full_layers)) if m.scalable else "fixed"
+    return Plan(
+        model={"name": model, "kind": m.kind, "family": m.family, "parameters": n_params, "layers": layers,
+               "attention": m.attention},
+        workload={"batch": batch, "seq": seq, "seq_means": m.seq_name, "dtype": setup.policy.name,
+                  "devices": devices, "search": search, "group_size": setup.group_size},
+        budget_bytes=budget, budget_source=budget_source, combinations=results, cheapest=cheapest,
+        verdict=verdict, notes=notes, seconds=time.perf_counter() - start)
+
+
+__all__ = ["Combination", "Plan", "PlanError", "SEARCHES", "plan"]
