@@ -1,20 +1,20 @@
 """Notebook 04's experiment: does DGR cut gradient variance to 1/8 on a 256-layer Transformer (claim C6, 3.1)?
 
-The same deep pre-LN decoder (transformers GPT-2 style, small width) is trained four ways from the same initial
-weights on the same batches, each through the project's training loop (``experiments.loop.train_lm``): plain
-AdamW, DGR-sync (per-group steps during backward), DGR-interleaved with DC-ASGD compensation (the post's full
-DGR) and DGR-interleaved without it (``macroarch.dgr``). At step 0, every ``measure_every`` steps and at the end,
-with the weights fixed (DGR's in-backward stepping suspended), on one held-out set of mini-batches:
+The same deep pre-LN decoder (transformers GPT-2 style, small width) is trained from the same initial weights on
+the same batches, each run through the project's training loop (``experiments.loop.train_lm``): plain AdamW and
+DGR-interleaved with DC-ASGD compensation (the post's full DGR) at every seed, and DGR-interleaved without it at
+the first seed, for contrast (``macroarch.dgr``). At step 0, every ``measure_every`` steps and at the end, with the
+weights fixed (DGR's in-backward stepping suspended), on one held-out set of mini-batches per seed:
 
 - the trace of the covariance of the mini-batch gradient (``minibatch_gradient_variance``): its ratio plain /
-  DGR, averaged over the measurements after step 0, is the "variance reduction factor" graded against 8;
+  DGR, averaged over the measurements after step 0, is one seed's "variance reduction factor"; the graded factor
+  is the mean over ``seeds`` seeds (each its own initial weights, batches and held-out set) with a t interval;
 - the spread across layers: the standard deviation of the log of the per-block gradient norms.
 
-:func:`gradient_memory` measures one more step of plain AdamW and of DGR-sync under MemTracker: DGR frees each
-group's gradients once the group has stepped. DGR-sync is the same computation as plain training, so its weights
-(and all its numbers) come out identical to plain's; :func:`plot_variance` draws every run in its own style and
-says in the legend which runs coincide (exactly, or within 1% everywhere), so that two lines on top of each other
-are not read as one run.
+DGR-sync (per-group steps during backward, no delay) is the same computation as plain training, so its variance
+factor is 1 by construction: it is no measurement and is not trained here. :func:`gradient_memory` steps plain
+AdamW and DGR-sync twice under MemTracker (DGR frees each group's gradients once the group has stepped) and checks
+that identity on the way: their weights after those steps are equal bit for bit.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from macroarch._table import format_table
 from macroarch.data import lm_batches
 from macroarch.dgr import DGRWrapper, GradientCompensator
 from macroarch.experiments.loop import train_lm
+from macroarch.experiments.settings import Settings
 from macroarch.measure.gradients import GradientNormRecorder, layer_norm_spread, minibatch_gradient_variance
 from macroarch.measure.memory import StepMemory, format_bytes, measure_step
+from macroarch.measure.stats import Estimate, Repeated, mean_interval
 from macroarch.measure.workload import lm_loss
 from macroarch.models import ModelSpec, get_model_spec
 
@@ -48,15 +50,66 @@ VARIANTS: dict[str, dict | None] = {
 }
 """Training schemes: None is plain AdamW, else the ``DGRWrapper`` options."""
 GRADED = "DGR interleaved + DC-ASGD"
+CONTRAST = "DGR interleaved, no compensation"
+TRAINED = ("plain", GRADED, CONTRAST)
+"""The variants trained for the variance (DGR sync is plain's computation: see the module docstring)."""
 STYLES = {
-    "plain": dict(color="#4c72b0", ls="-", lw=2.6, marker="o", ms=8, mfc="none", alpha=0.6),
-    "DGR sync": dict(color="#dd8452", ls="--", lw=1.2, marker="x", ms=6),
-    "DGR interleaved + DC-ASGD": dict(color="#55a868", ls="-", lw=2.6, marker="s", ms=8, mfc="none", alpha=0.6),
+    "plain": dict(color="#4c72b0", ls="-", lw=2.0, marker="o", ms=6, mfc="none"),
+    "DGR interleaved + DC-ASGD": dict(color="#55a868", ls="-", lw=1.4, marker="s", ms=5),
     "DGR interleaved, no compensation": dict(color="#c44e52", ls=":", lw=1.4, marker="+", ms=7),
 }
-"""Wide hollow markers under thin ones: a run drawn exactly over another stays visible."""
 COINCIDE = 0.01
-"""Runs closer than this (relative, at every point) overlap on the figure; the legend says so."""
+"""Runs whose traces agree this closely (relative, at every measurement) overlap on the figure; the legend says so."""
+POST_FACTOR = 8.0
+"""The post's claim: variance cut to 1/8."""
+
+
+@dataclass(frozen=True)
+class DGRVarianceSettings(Settings):
+    """Notebook 04's settings: its parameters cell, less ``profile`` (``DGRVarianceSettings.from_params(params)``).
+    Seeds run ``seed, seed + 1, ...``."""
+
+    n_layers: int
+    """Decoder depth (the post's: 256)."""
+    width: int
+    """d_model; d_ff is 4 x width."""
+    seq_len: int
+    """Bytes per sequence."""
+    batch_size: int
+    """Sequences per batch."""
+    steps: int
+    """Training steps per variant and seed."""
+    group_size: int
+    """Blocks per DGR parameter group."""
+    measure_every: int
+    """The variance is measured at steps 0, measure_every, ..., steps."""
+    variance_batches: int
+    """K held-out mini-batches at fixed weights for the covariance trace (at least 2)."""
+    threads: int
+    """Torch threads."""
+    seeds: int
+    """Seeds of plain and DGR + DC-ASGD (initial weights, batches, held-out set): the graded factor's n."""
+    seed: int = 0
+    """The first seed."""
+    n_heads: int = 4
+    """Attention heads; must divide ``width``."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    corpus: str = "stdlib"
+    """data/text/<corpus>."""
+
+    def __post_init__(self) -> None:
+        self._positive("n_layers", "width", "seq_len", "batch_size", "steps", "group_size", "measure_every",
+                       "variance_batches", "threads", "seeds", "n_heads", "lr")
+        self._non_negative("seed")
+        if self.width % self.n_heads:
+            self._fail("n_heads", f"a divisor of width {self.width}")
+        if self.variance_batches < 2:
+            self._fail("variance_batches", "at least 2 (a covariance needs two mini-batches)")
+        if self.measure_every > self.steps:
+            self._fail("measure_every", f"at most steps ({self.steps}): the factor needs a measurement after step 0")
+        if self.group_size > self.n_layers:
+            self._fail("group_size", f"at most n_layers ({self.n_layers})")
 
 
 def variant_key(variant: str) -> str:
@@ -79,15 +132,19 @@ class Setup:
         return sum(p.numel() for p in self.initial.parameters())
 
 
-def setup(text, *, n_layers: int, width: int, n_heads: int, seq_len: int, batch_size: int, steps: int,
-          variance_batches: int, seed: int) -> Setup:
-    """A GPT-2-style decoder ``n_layers`` deep (d_ff = 4 x width, no dropout), built after seeding the global RNG."""
-    spec = get_model_spec("gpt3_tiny").scaled(n_layers=n_layers, d_model=width, n_heads=n_heads, n_kv_heads=n_heads,
-                                              d_ff=4 * width, dropout=0.0, max_seq_len=seq_len)
+def setup(text, settings: DGRVarianceSettings, seed: int | None = None) -> Setup:
+    """A GPT-2-style decoder ``n_layers`` deep (d_ff = 4 x width, no dropout), built after seeding the global RNG
+    with ``seed`` (default the first), its training batches and held-out set drawn from it."""
+    s = settings
+    seed = s.seed if seed is None else seed
+    spec = get_model_spec("gpt3_tiny").scaled(n_layers=s.n_layers, d_model=s.width, n_heads=s.n_heads,
+                                              n_kv_heads=s.n_heads, d_ff=4 * s.width, dropout=0.0,
+                                              max_seq_len=s.seq_len)
     torch.manual_seed(seed)
     initial = spec.build()
-    return Setup(spec, initial, list(lm_batches(text.train, batch_size, seq_len, seed=seed, steps=steps)),
-                 list(lm_batches(text.val, batch_size, seq_len, seed=seed + 1, steps=variance_batches)))
+    # the held-out stream of seed i is offset past every training seed's, so no two seeds share held-out batches
+    return Setup(spec, initial, list(lm_batches(text.train, s.batch_size, s.seq_len, seed=seed, steps=s.steps)),
+                 list(lm_batches(text.val, s.batch_size, s.seq_len, seed=seed + 10_000, steps=s.variance_batches)))
 
 
 def make_variant(variant: str, s: Setup, group_size: int, lr: float):
@@ -154,13 +211,9 @@ def train_variant(variant: str, s: Setup, *, group_size: int, lr: float, measure
 
 @dataclass(frozen=True)
 class Comparison:
-    runs: dict[str, VariantRun]
+    """The variants trained at one seed from one :class:`Setup`."""
 
-    @property
-    def sync_weights_identical(self) -> bool:
-        """DGR-sync's weights equal plain's bit for bit after training."""
-        return all(torch.equal(a, b) for a, b in zip(self.runs["DGR sync"].model.parameters(),
-                                                     self.runs["plain"].model.parameters()))
+    runs: dict[str, VariantRun]
 
     def factor(self, variant: str, column: str) -> float:
         """plain / variant of ``column`` at every measurement after step 0 (all runs start from the same
@@ -172,24 +225,6 @@ class Comparison:
     def final_loss(self, variant: str) -> float:
         return float(np.mean(self.runs[variant].losses[-5:]))
 
-    def _values(self, variant: str) -> np.ndarray:
-        run = self.runs[variant]
-        return np.array(run.losses + [v for h in run.history for v in (h.trace, h.layer_log_std)])
-
-    def coincides_with(self, variant: str) -> tuple[str, float] | None:
-        """The first run before ``variant`` that the figure draws on top of it, and the largest relative difference
-        between the two over every loss and measurement: 0.0 when identical, else at most ``COINCIDE``."""
-        mine = self._values(variant)
-        for name in self.runs:
-            if name == variant:
-                return None
-            other = self._values(name)
-            if len(other) == len(mine):
-                rel = float(np.max(np.abs(mine - other) / np.maximum(np.maximum(np.abs(mine), np.abs(other)), 1e-300)))
-                if rel <= COINCIDE:
-                    return name, rel
-        return None
-
     def metrics(self) -> dict[str, float]:
         m: dict[str, float] = {}
         for variant in self.runs:
@@ -198,9 +233,7 @@ class Comparison:
                 m |= {f"{key}_trace_factor": self.factor(variant, "trace"),
                       f"{key}_layer_spread_factor": self.factor(variant, "layer_log_std"),
                       f"{key}_final_loss": self.final_loss(variant)}
-        return m | dict(plain_final_loss=self.final_loss("plain"),
-                        sync_weights_identical=int(self.sync_weights_identical),
-                        variance_reduction_factor=self.factor(GRADED, "trace"))
+        return m | dict(plain_final_loss=self.final_loss("plain"))
 
     def series(self) -> list[tuple[int, dict[str, float]]]:
         """``(step, values)`` rows for ``run.log``: every step's loss, the measurements where taken."""
@@ -216,13 +249,72 @@ class Comparison:
         rows = [("variant", "trace(Cov) plain/variant", "layer log-std plain/variant", "final loss", "groups")]
         rows += [(v, f"{self.factor(v, 'trace'):.4f}", f"{self.factor(v, 'layer_log_std'):.4f}",
                   f"{self.final_loss(v):.4f}", r.groups) for v, r in self.runs.items() if v != "plain"]
-        return (format_table(rows) + f"\nDGR-sync weights identical to plain after {len(self.runs['plain'].losses)} "
-                f"steps: {self.sync_weights_identical}")
+        return format_table(rows)
 
 
-def train_variants(s: Setup, *, group_size: int, lr: float, measure_every: int) -> Comparison:
+def train_variants(s: Setup, *, group_size: int, lr: float, measure_every: int,
+                   variants: tuple[str, ...] = TRAINED) -> Comparison:
     return Comparison({v: train_variant(v, s, group_size=group_size, lr=lr, measure_every=measure_every)
-                       for v in VARIANTS})
+                       for v in variants})
+
+
+def _factor_estimate(factors) -> Estimate:
+    return mean_interval(factors, method="t interval over seeds", unit="x")
+
+
+@dataclass(frozen=True)
+class SeedComparisons:
+    """One :class:`Comparison` per seed: plain and the graded DGR at each, the contrast at the first."""
+
+    seeds: tuple[int, ...]
+    comparisons: tuple[Comparison, ...]
+    setups: tuple[Setup, ...]
+
+    @property
+    def first(self) -> Comparison:
+        return self.comparisons[0]
+
+    @property
+    def factors(self) -> list[float]:
+        """Per seed, plain / DGR + DC-ASGD of trace(Cov), averaged over the measurements after step 0."""
+        return [c.factor(GRADED, "trace") for c in self.comparisons]
+
+    def estimates(self) -> dict[str, Estimate]:
+        return {"variance_reduction_factor": _factor_estimate(self.factors)}
+
+    def repeated(self) -> dict[str, Repeated]:
+        """The graded estimate's per-seed factors, for ``claims.regrade_leaving_out``."""
+        return {"variance_reduction_factor": Repeated(_factor_estimate, (self.factors,))}
+
+    def metrics(self) -> dict[str, float]:
+        """The first seed's comparison (the contrast included) and the per-seed means of the other columns."""
+        m = self.first.metrics()
+        m["layer_spread_factor"] = float(np.mean([c.factor(GRADED, "layer_log_std") for c in self.comparisons]))
+        return m | {"seeds": len(self.seeds)}
+
+    def rows(self) -> list[dict[str, float]]:
+        return [{"seed": seed, "variance_reduction_factor": c.factor(GRADED, "trace"),
+                 "layer_spread_factor": c.factor(GRADED, "layer_log_std"), "plain_final_loss": c.final_loss("plain"),
+                 "dgr_final_loss": c.final_loss(GRADED)} for seed, c in zip(self.seeds, self.comparisons)]
+
+    def table(self) -> str:
+        e = self.estimates()["variance_reduction_factor"]
+        per_seed = ", ".join(f"{f:.3f}" for f in self.factors)
+        return (f"first seed ({self.seeds[0]}):\n{self.first.table()}\n\n"
+                f"trace(Cov) plain / DGR + DC-ASGD per seed: {per_seed}\nvariance reduction factor: {e.describe(4)}")
+
+
+def train_seeds(text, settings: DGRVarianceSettings) -> SeedComparisons:
+    """Plain and DGR + DC-ASGD at each of ``seeds`` seeds, and the uncompensated contrast at the first."""
+    s = settings
+    seeds = list(range(s.seed, s.seed + s.seeds))
+    setups, comparisons = [], []
+    for i, seed in enumerate(seeds):
+        su = setup(text, s, seed)
+        setups.append(su)
+        comparisons.append(train_variants(su, group_size=s.group_size, lr=s.lr, measure_every=s.measure_every,
+                                          variants=TRAINED if i == 0 else ("plain", GRADED)))
+    return SeedComparisons(tuple(seeds), tuple(comparisons), tuple(setups))
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> None:
@@ -235,6 +327,8 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> None:
 class GradientMemory:
     plain: StepMemory
     dgr_sync: StepMemory
+    sync_identical: bool
+    """DGR-sync's weights equal plain's bit for bit after the two steps: the identity, checked (not a measurement)."""
 
     @property
     def grad_ratio(self) -> float:
@@ -243,70 +337,106 @@ class GradientMemory:
     def metrics(self) -> dict[str, float]:
         return dict(plain_peak_grad_bytes=self.plain.max_by_category["gradients"],
                     dgr_sync_peak_grad_bytes=self.dgr_sync.max_by_category["gradients"],
-                    plain_step_peak_bytes=self.plain.peak_bytes, dgr_sync_step_peak_bytes=self.dgr_sync.peak_bytes)
+                    plain_step_peak_bytes=self.plain.peak_bytes, dgr_sync_step_peak_bytes=self.dgr_sync.peak_bytes,
+                    sync_weights_identical=int(self.sync_identical))
 
     def text(self) -> str:
         g_plain, g_dgr = self.plain.max_by_category["gradients"], self.dgr_sync.max_by_category["gradients"]
         return (f"peak gradient bytes: plain {format_bytes(g_plain, 'MB', 2)}, DGR-sync {format_bytes(g_dgr, 'MB', 2)} "
-                f"({self.grad_ratio:.1f}x less); step peak: plain {format_bytes(self.plain.peak_bytes, 'MB', 1)}, "
-                f"DGR-sync {format_bytes(self.dgr_sync.peak_bytes, 'MB', 1)}")
+                f"({self.grad_ratio:.1f}x less); step peak (measured): plain "
+                f"{format_bytes(self.plain.peak_bytes, 'MB', 1)}, "
+                f"DGR-sync {format_bytes(self.dgr_sync.peak_bytes, 'MB', 1)}; DGR-sync weights identical to plain's "
+                f"after both steps: {self.sync_identical}")
 
 
 def gradient_memory(s: Setup, group_size: int, lr: float) -> GradientMemory:
     """One step each of plain AdamW and DGR-sync under MemTracker, after a first step that puts the optimizer
-    state in place (as in every step after the first)."""
+    state in place (as in every step after the first); then their weights compared bit for bit."""
     batch = s.train[0]
     plain_model = copy.deepcopy(s.initial)
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=lr)
-    dgr_model, _, dgr_opt = make_variant("DGR sync", s, group_size, lr)
+    dgr_model, dgr_inner, dgr_opt = make_variant("DGR sync", s, group_size, lr)
     plain_step = functools.partial(_step, plain_model, plain_opt, batch)
     dgr_step = functools.partial(_step, dgr_model, dgr_opt, batch)
     plain_step()
     dgr_step()
-    return GradientMemory(measure_step(plain_step, plain_model, plain_opt, *batch),
-                          measure_step(dgr_step, dgr_model, dgr_opt, *batch))
+    plain, dgr = (measure_step(plain_step, plain_model, plain_opt, *batch),
+                  measure_step(dgr_step, dgr_model, dgr_opt, *batch))
+    identical = all(torch.equal(a, b) for a, b in zip(dgr_inner.parameters(), plain_model.parameters()))
+    return GradientMemory(plain, dgr, identical)
 
 
-def plot_variance(comparison: Comparison) -> Figure:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
-    for variant, run in comparison.runs.items():
+def plot_variance(seeds: SeedComparisons) -> Figure:
+    """The first seed's loss, trace(Cov) and layer spread per variant over training, and the graded factor per seed
+    with its mean and 90% interval against the post's 8x. Legends sit beside or below the axes, never on them."""
+    first = seeds.first
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5.6), gridspec_kw=dict(width_ratios=[1, 1, 1, 0.8]))
+    graded = np.array([h.trace for h in first.runs[GRADED].history])
+    for variant, run in first.runs.items():
         label = variant
-        if same := comparison.coincides_with(variant):
-            label += (f" (identical to {same[0]}: drawn on top of it)" if same[1] == 0
-                      else f" (within {same[1]:.2%} of {same[0]})")
+        traces = np.array([h.trace for h in run.history])
+        if variant == CONTRAST and np.allclose(traces, graded, rtol=COINCIDE, atol=0):
+            label += f" (within {COINCIDE:.0%} of DC-ASGD: drawn on top of it)"
         style = STYLES.get(variant, {})
         lines = {k: v for k, v in style.items() if k not in ("marker", "ms", "mfc")}
         steps = [h.step for h in run.history]
-        axes[0].plot(np.convolve(run.losses, np.ones(5) / 5, mode="valid"), label=label, **lines)
-        axes[1].semilogy(steps, [h.trace for h in run.history], label=label, **style)
+        window = min(5, len(run.losses))
+        axes[0].plot(np.arange(window - 1, len(run.losses)), np.convolve(run.losses, np.ones(window) / window,
+                                                                         mode="valid"), label=label, **lines)
+        axes[1].semilogy(steps, traces, label=label, **style)
         axes[2].plot(steps, [h.layer_log_std for h in run.history], label=label, **style)
-    plain = comparison.runs["plain"].history
-    axes[1].semilogy([h.step for h in plain], [h.trace / 8 for h in plain], "k:", lw=1, label="plain / 8 (the post)")
-    axes[0].set(title="training loss (5-step mean)", xlabel="step", ylabel="loss (nats/byte)")
-    axes[1].set(title="gradient variance across mini-batches: trace(Cov)", xlabel="step")
-    axes[2].set(title="spread across layers: std of log per-block grad norm", xlabel="step")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    plain = first.runs["plain"].history
+    axes[1].semilogy([h.step for h in plain], [h.trace / POST_FACTOR for h in plain], "k:", lw=1,
+                     label="plain / 8 (the post's claim)")
+    seed = seeds.seeds[0]
+    axes[0].set(title=f"training loss ({min(5, len(first.runs['plain'].losses))}-step mean, seed {seed})",
+                xlabel="step", ylabel="loss (nats/byte)")
+    axes[1].set(title=f"variance across mini-batches (seed {seed})", xlabel="step",
+                ylabel="trace of gradient covariance (squared gradient norm)")
+    axes[2].set(title=f"spread across layers (seed {seed})", xlabel="step",
+                ylabel="std of log per-block gradient norm")
+    ax = axes[3]
+    e = seeds.estimates()["variance_reduction_factor"]
+    f = seeds.factors
+    ax.plot(np.linspace(-0.1, 0.1, len(f)), f, "o", color="grey", ms=5, alpha=0.7, label=f"per seed ({len(f)})")
+    err = None if not e.has_interval else [[e.value - e.low], [e.high - e.value]]
+    ax.errorbar([0], [e.value], yerr=err, fmt="D", color="C3", capsize=6, ms=8, label=f"mean, 90% interval (n={e.n})")
+    ax.axhline(POST_FACTOR, color="k", ls="--", lw=1, label="post: 8x (graded at >= 7.2x)")
+    ax.axhspan(0.8, 1.25, color="grey", alpha=0.2, label="no effect (0.8-1.25x)")
+    ax.set_yscale("log")
+    ax.set_ylim(min(0.5, min(f) * 0.8), max(12.0, max(f) * 1.3))
+    ax.set_xlim(-0.5, 0.5)
+    ax.set_xticks([0], ["DGR + DC-ASGD"])
+    ax.set_ylabel("trace(Cov) plain / DGR (x), mean over measurements")
+    ax.set_title("graded: variance reduction factor")
+    for a in axes[:3]:
+        a.title.set_fontsize(10)
+    ax.title.set_fontsize(10)
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, bbox_to_anchor=(0.4, 0.0))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
 
-def c6_texts(s: Setup, comparison: Comparison, memory: GradientMemory, metrics: dict[str, float], *,
-             group_size: int, steps: int) -> dict[str, str]:
-    """``scale``, ``measured_text`` and ``note`` for C6's verdict, from the run's metrics."""
-    shape, first = s.spec.shape, s.train[0][0]
+def c6_texts(seeds: SeedComparisons, memory: GradientMemory, settings: DGRVarianceSettings) -> dict[str, str]:
+    """``scale``, ``measured_text`` and ``note`` for C6's verdict."""
+    s, su = settings, seeds.setups[0]
+    shape = su.spec.shape
+    e = seeds.estimates()["variance_reduction_factor"]
+    contrast = seeds.first.factor(CONTRAST, "trace")
     return dict(
-        scale=(f"{shape.n_layers}-layer GPT-2-style decoder, width {shape.d_model} ({s.n_params / 1e6:.2f}M params), "
-               f"{steps} AdamW steps of {first.shape[0]}x{first.shape[1]} bytes, group_size {group_size}, "
-               f"variance over {len(s.held_out)} held-out batches"),
-        measured_text=(f"trace(Cov) plain / DGR: interleaved + DC-ASGD {metrics['variance_reduction_factor']:.3f}x, "
-                       f"sync {metrics['DGR_sync_trace_factor']:.3f}x (weights identical to plain: "
-                       f"{bool(metrics['sync_weights_identical'])})"),
-        note=(f"gradient memory {memory.grad_ratio:.1f}x lower with DGR-sync; sync DGR is the same computation as "
-              f"plain training, so it cannot change the variance; only staleness (interleaved) can"),
+        scale=(f"{shape.n_layers}-layer GPT-2-style decoder, width {shape.d_model} ({su.n_params / 1e6:.2f}M params), "
+               f"{s.steps} AdamW steps of {s.batch_size}x{s.seq_len} bytes, group_size {s.group_size}, variance over "
+               f"{s.variance_batches} held-out batches, {len(seeds.seeds)} seeds"),
+        measured_text=(f"trace(Cov) plain / DGR interleaved + DC-ASGD: {e.describe(3)}"),
+        note=(f"without compensation (first seed) {contrast:.3f}x; DGR-sync is plain's computation (weights identical "
+              f"to plain's: {memory.sync_identical}), so its factor is 1 by construction and is not measured; "
+              f"gradient memory {memory.grad_ratio:.1f}x lower with DGR-sync"),
     )
 
 
-__all__ = ["GRADED", "VARIANTS", "Comparison", "GradientMemory", "Measurement", "Setup", "VariantRun", "c6_texts",
-           "gradient_memory", "make_variant", "measure_variance", "plot_variance", "setup", "train_variant",
+__all__ = ["CONTRAST", "GRADED", "POST_FACTOR", "TRAINED", "VARIANTS", "Comparison", "DGRVarianceSettings",
+           "GradientMemory", "Measurement", "SeedComparisons", "Setup", "VariantRun", "c6_texts", "gradient_memory",
+           "make_variant", "measure_variance", "plot_variance", "setup", "train_seeds", "train_variant",
            "train_variants", "variant_key"]

@@ -1,22 +1,29 @@
 """Notebook 01's experiments: gradients through depth (C2), the cost of clipping (C3), HC vs mHC (R1).
 
 Post section 2.1 (C2, C3) and the mHC reference point (R1). Each claim has a function that runs the
-measurement and returns a small result, the metrics the grading rule reads (names kept stable: the
-registry in ``macroarch.repro.claims`` grades them), a text table, a figure and the verdict's texts.
+measurement and returns a small result, the graded estimates (``macroarch.measure.stats``: each with its
+interval and n over seeds, names kept stable for the registry in ``macroarch.repro.claims``), the other
+metrics, per-seed rows (for leave-one-out regrading), a text table, a figure and the verdict's texts. Every
+function takes the notebook's :class:`GradientExplosionSettings`.
 
-- **C2** :func:`stack_profiles`: ``sigma * orthogonal`` stacks (linear, and with tanh between the layers)
-  in float64; the gradient norm reaching each layer's output, its fitted log-growth rate against depth
-  counted from the output (``log(sigma)`` exactly for the linear stack), and for tanh the RMS log singular
-  value of evenly spaced layer Jacobians along the real forward (:func:`jacobian_log_rate`).
-  :func:`transformer_profiles`: the same rate in a pre-LN (GPT-2 style) and a post-LN (BERT) model at init.
+- **C2** :func:`stack_seeds`: ``sigma * orthogonal`` stacks (linear, and with tanh between the layers)
+  in float64, one set per seed (:func:`stack_profiles`); the gradient norm reaching each layer's output, its
+  fitted log-growth rate against depth counted from the output (``log(sigma)`` exactly for the linear stack),
+  and for tanh the RMS log singular value of evenly spaced layer Jacobians along the real forward
+  (:func:`jacobian_log_rate`). The graded relative errors are per seed, then a t interval over seeds.
+  :func:`transformer_profiles`: the same rate in a pre-LN (GPT-2 style) and a post-LN (BERT) model at init
+  (first seed; not graded).
 - **C3** :func:`clipping_sweep`: a small BERT MLM trained with clipping at each threshold under
   ``macroarch.measure.clipping``'s probe (a shadow optimizer takes the unclipped step), and once without
   clipping through the project's one training loop (``experiments.loop.train_lm``), AdamW and SGD with
-  BERT's warmup + linear decay; steps to the loss where the unclipped run ends. :func:`bert_large_probe`:
-  the probe for a few steps at BERT-large's shape.
-- **R1** :func:`residual_runs`: the same small decoder trained with residual, HC and mHC connections
-  through ``train_lm``; gradient norm before each step, composite gain of the mixing matrices every
-  ``gain_every`` steps, validation loss by ``evaluate_lm``.
+  BERT's warmup + linear decay; steps to the loss where the unclipped run ends. The sweep runs at the first
+  seed; :func:`clipping_seeds` repeats the graded cell (AdamW, clip 1.0, clipped and unclipped sharing
+  initialisation, batches and dropout seed) at every seed. :func:`bert_large_probe`: the probe for a few steps
+  at BERT-large's shape.
+- **R1** :func:`residual_seeds`: the same small decoder trained with HC and mHC connections (and residual at the
+  first seed, the reference) through ``train_lm``, the kinds of one seed sharing initial draws and batches;
+  gradient norm before each step, composite gain of the mixing matrices every ``gain_every`` steps, validation
+  loss by ``evaluate_lm``. Graded per seed: mHC's peak gain and HC's over mHC's.
 
 Global RNG: :func:`transformer_profiles` and :func:`train_residual` seed it (as the notebook always did);
 everything else draws from its own generators or inside ``fork_rng``, except the BERT-large probe's dropout,
@@ -39,6 +46,7 @@ from tqdm.auto import tqdm
 from macroarch._table import format_table
 from macroarch.data import BYTE_VOCAB_SIZE, MLM_VOCAB_SIZE, PAD_ID, eval_batches, lm_batches, mlm_batches
 from macroarch.experiments.loop import evaluate_lm, train_lm
+from macroarch.experiments.settings import Settings
 from macroarch.measure.clipping import ClippingTrace, measure_clipping, steps_to_target
 from macroarch.measure.gradients import (
     GradientNormRecorder,
@@ -47,6 +55,7 @@ from macroarch.measure.gradients import (
     fit_growth_rate,
     layer_jacobian_singular_values,
 )
+from macroarch.measure.stats import Estimate, Repeated, mean_interval
 from macroarch.models import (
     HCTransformerLM,
     bert_large_config,
@@ -64,6 +73,104 @@ JACOBIAN_SAMPLES = 8
 WINDOW = 10
 """Steps in the moving average of the loss that ``steps_to_target`` compares with the target."""
 OPTIMIZERS = ("AdamW", "SGD")
+GRADED_CLIP = 1.0
+"""The threshold C3 is graded at (the one BERT uses)."""
+
+
+@dataclass(frozen=True)
+class GradientExplosionSettings(Settings):
+    """Notebook 01's settings: its parameters cell, less ``profile``
+    (``GradientExplosionSettings.from_params(params)``). Seeds run ``seed, seed + 1, ...``."""
+
+    stack_depth: int
+    """Layers of each controlled stack."""
+    jacobian_layers: int
+    """tanh stacks of the first seed: Jacobian spectra at this many evenly spaced layers (dense Jacobians are slow)."""
+    transformer_layers: int
+    """Depth of the pre-LN (GPT-2 style) and post-LN (BERT) transformers."""
+    transformer_batches: int
+    """Batches averaged per transformer gradient-norm profile."""
+    seq_len: int
+    """Tokens per row, every model of the notebook."""
+    batch_size: int
+    """Rows per batch: C2's transformers and R1."""
+    c3_steps: int
+    """Training steps of every clipped and unclipped run."""
+    c3_thresholds: tuple[float, ...]
+    """Clipping thresholds (max_norm) of the first seed's sweep; must include 1.0, the one graded."""
+    c3_hidden: int
+    """Hidden size of the small BERT."""
+    c3_layers: int
+    """Layers of the small BERT."""
+    c3_batch: int
+    """Rows per batch of the small BERT."""
+    bert_large_steps: int
+    """Probe steps at BERT-large's shape (0 skips it)."""
+    bert_large_batch: int
+    """Rows per batch of the BERT-large probe."""
+    device: str
+    """Where BERT-large's probe runs."""
+    r1_steps: int
+    """Training steps per residual kind and seed."""
+    r1_layers: int
+    """Decoder layers (two sublayers each)."""
+    r1_width: int
+    """Decoder width."""
+    r1_gain_every: int
+    """The composite gain is measured every this many steps (and at the last)."""
+    r1_eval_batches: int
+    """Held-out batches of the validation loss."""
+    r1_seeds: int
+    """Seeds of the HC and mHC runs: the gains' n."""
+    c3_seeds: int
+    """Seeds of the graded cell (AdamW, clip 1.0, clipped vs unclipped): the reduction's and slowdown's n."""
+    c2_seeds: int
+    """Seeds of the controlled stacks (weights, inputs and output gradient): the relative errors' n."""
+    seed: int = 0
+    """The first seed (weights, batches and dropout)."""
+    corpus: str = "stdlib"
+    """data/text/<corpus>."""
+    threads: int = 1
+    """Torch threads."""
+    sigmas: tuple[float, ...] = (0.9, 1.0, 1.1)
+    """Every singular value of every weight of a stack; at least one other than 1 (the rate error divides by
+    log(sigma))."""
+    stack_width: int = 64
+    """Width of the controlled stacks."""
+    stack_batch: int = 32
+    """Inputs pushed through each stack."""
+    transformer_width: int = 64
+    """Width of C2's transformers."""
+    adamw_lr: float = 1e-3
+    """AdamW's peak learning rate (weight decay 0.01)."""
+    sgd_lr: float = 0.1
+    """SGD's peak learning rate (momentum 0.9)."""
+    warmup_fraction: float = 0.1
+    """Share of the steps in linear warmup, then linear decay to 0."""
+    r1_lr: float = 3e-3
+    """AdamW learning rate of R1 (weight decay 0.01)."""
+    n_streams: int = 4
+    """Residual streams of HC and mHC."""
+
+    def __post_init__(self) -> None:
+        self._positive("stack_depth", "jacobian_layers", "transformer_layers", "transformer_batches", "seq_len",
+                       "batch_size", "c3_steps", "c3_hidden", "c3_layers", "c3_batch", "bert_large_batch", "r1_steps",
+                       "r1_layers", "r1_width", "r1_gain_every", "r1_eval_batches", "threads", "stack_width",
+                       "stack_batch", "c2_seeds", "transformer_width", "c3_seeds", "adamw_lr", "sgd_lr", "r1_seeds",
+                       "r1_lr", "n_streams")
+        self._non_negative("bert_large_steps", "seed")
+        self._fraction("warmup_fraction")
+        self._device()
+        self._non_empty("sigmas", "c3_thresholds")
+        if all(s == 1.0 for s in self.sigmas) or any(not s > 0 for s in self.sigmas):
+            self._fail("sigmas", "positive numbers, at least one other than 1")
+        if GRADED_CLIP not in self.c3_thresholds:
+            self._fail("c3_thresholds", f"a list that includes {GRADED_CLIP}, the threshold C3 is graded at")
+        if self.jacobian_layers > self.stack_depth:
+            self._fail("jacobian_layers", f"at most stack_depth ({self.stack_depth})")
+
+    def seeds(self, n: int) -> list[int]:
+        return list(range(self.seed, self.seed + n))
 
 
 def _key(sigma: float) -> str:
@@ -86,7 +193,7 @@ class StackProfiles:
     norms: dict[tuple[str, float], torch.Tensor]
     fits: dict[tuple[str, float], GrowthFit]
     jacobian_rate: dict[float, float]
-    """tanh stacks: mean log RMS singular value of the sampled layer Jacobians, per sigma."""
+    """tanh stacks: mean log RMS singular value of the sampled layer Jacobians, per sigma (empty if not sampled)."""
 
     def rel_error(self, kind: str) -> float:
         """Worst ``|rate - log(sigma)| / |log(sigma)|`` over the sigmas other than 1."""
@@ -111,21 +218,63 @@ def jacobian_log_rate(stack: nn.Sequential, x: torch.Tensor, n_layers: int) -> f
 
 def stack_profiles(sigmas: list[float], depth: int, width: int, batch: int, jacobian_layers: int,
                    seed: int) -> StackProfiles:
-    """One backward pass of ``(stack(x) * v).sum()`` through each controlled stack, float64."""
+    """One backward pass of ``(stack(x) * v).sum()`` through each controlled stack, float64; the tanh stacks'
+    Jacobian rates at ``jacobian_layers`` layers (none when 0)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, width, generator=g, dtype=torch.float64)
     v = torch.randn(batch, width, generator=g, dtype=torch.float64)  # the gradient at the stack's output
     norms, fits, jacobian_rate = {}, {}, {}
     for kind in ("linear", "mlp"):
-        for sigma in tqdm(sigmas, desc=f"{kind} stacks", mininterval=5):
+        for sigma in sigmas:
             stack = controlled_stack(depth, width, sigma, kind=kind, generator=seed, dtype=torch.float64)
             with GradientNormRecorder(stack) as rec:
                 (stack(x) * v).sum().backward()
             norms[kind, sigma] = rec.output_grad_norms[0]
             fits[kind, sigma] = fit_growth_rate(_from_output(norms[kind, sigma]), norms[kind, sigma])
-            if kind == "mlp":
+            if kind == "mlp" and jacobian_layers:
                 jacobian_rate[sigma] = jacobian_log_rate(stack, x[:JACOBIAN_SAMPLES], jacobian_layers)
     return StackProfiles(tuple(sigmas), depth, width, norms, fits, jacobian_rate)
+
+
+@dataclass(frozen=True)
+class StackSeeds:
+    """The controlled stacks at each seed (weights, inputs and output gradient all drawn from it)."""
+
+    seeds: tuple[int, ...]
+    profiles: tuple[StackProfiles, ...]
+
+    @property
+    def first(self) -> StackProfiles:
+        return self.profiles[0]
+
+    def rel_errors(self, kind: str) -> list[float]:
+        """Per seed, the worst relative error of the fitted rate over the sigmas (:meth:`StackProfiles.rel_error`)."""
+        return [p.rel_error(kind) for p in self.profiles]
+
+    def estimates(self) -> dict[str, Estimate]:
+        """The graded relative errors: t intervals over the per-seed values."""
+        return {key: mean_interval(self.rel_errors(kind), method="t interval over seeds")
+                for key, kind in (("rate_rel_error", "linear"), ("mlp_rate_rel_error", "mlp"))}
+
+    def repeated(self) -> dict[str, Repeated]:
+        """The graded estimates' per-seed values, for ``claims.regrade_leaving_out``."""
+        return {key: Repeated(mean_interval, (self.rel_errors(kind),), options={"method": "t interval over seeds"})
+                for key, kind in (("rate_rel_error", "linear"), ("mlp_rate_rel_error", "mlp"))}
+
+    def rows(self) -> list[dict[str, float]]:
+        """One row per seed: the graded errors and each fitted rate."""
+        return [{"seed": seed, "rate_rel_error": p.rel_error("linear"), "mlp_rate_rel_error": p.rel_error("mlp"),
+                 **{f"{kind}_rate_{_key(sigma)}": fit.rate for (kind, sigma), fit in p.fits.items()}}
+                for seed, p in zip(self.seeds, self.profiles)]
+
+
+def stack_seeds(settings: GradientExplosionSettings) -> StackSeeds:
+    """:func:`stack_profiles` at each of ``c2_seeds`` seeds; the Jacobian spectra (slow, not graded) at the first."""
+    s = settings
+    seeds = s.seeds(s.c2_seeds)
+    return StackSeeds(tuple(seeds), tuple(
+        stack_profiles(list(s.sigmas), s.stack_depth, s.stack_width, s.stack_batch, s.jacobian_layers if i == 0 else 0,
+                       seed) for i, seed in enumerate(tqdm(seeds, desc="controlled stacks (seeds)", mininterval=5))))
 
 
 @dataclass(frozen=True)
@@ -150,10 +299,13 @@ def block_norm_profile(model: nn.Module, batches: list, loss_fn: Callable[[nn.Mo
     return rec.output_grad_norms.mean(0)
 
 
-def transformer_profiles(text, layers: int, width: int, seq_len: int, batch_size: int, n_batches: int,
-                         seed: int) -> TransformerProfiles:
-    """GPT-2-style (transformers ``GPT2LMHeadModel``) and BERT (``BertForMaskedLM``) models ``layers`` deep,
-    no dropout, on ``n_batches`` corpus batches. Seeds the global RNG (the GPT-2 build draws from it)."""
+def transformer_profiles(text, settings: GradientExplosionSettings) -> TransformerProfiles:
+    """GPT-2-style (transformers ``GPT2LMHeadModel``) and BERT (``BertForMaskedLM``) models ``transformer_layers``
+    deep, no dropout, on ``transformer_batches`` corpus batches, at the first seed. Seeds the global RNG (the GPT-2
+    build draws from it)."""
+    s = settings
+    layers, width, seq_len, batch_size, n_batches, seed = (s.transformer_layers, s.transformer_width, s.seq_len,
+                                                           s.batch_size, s.transformer_batches, s.seed)
     torch.manual_seed(seed)
     pre_ln = get_model_spec("gpt3_tiny").scaled(n_layers=layers, d_model=width, d_ff=4 * width, dropout=0.0,
                                                 max_seq_len=seq_len).build()
@@ -167,25 +319,30 @@ def transformer_profiles(text, layers: int, width: int, seq_len: int, batch_size
     return TransformerProfiles(layers, width, norms, fits)
 
 
-def c2_metrics(stacks: StackProfiles, transformers: TransformerProfiles) -> dict[str, float]:
+def c2_metrics(stacks: StackSeeds, transformers: TransformerProfiles) -> dict[str, float]:
+    """The first seed's fitted rates and the transformers' (the graded errors are :meth:`StackSeeds.estimates`)."""
     m: dict[str, float] = {}
-    for (kind, sigma), fit in stacks.fits.items():
+    first = stacks.first
+    for (kind, sigma), fit in first.fits.items():
         m[f"{kind}_rate_{_key(sigma)}"], m[f"{kind}_rate_stderr_{_key(sigma)}"] = fit.rate, fit.rate_stderr
-    m["rate_rel_error"], m["mlp_rate_rel_error"] = stacks.rel_error("linear"), stacks.rel_error("mlp")
-    m |= {f"mlp_jacobian_rate_{_key(s)}": r for s, r in stacks.jacobian_rate.items()}
+    m |= {f"mlp_jacobian_rate_{_key(s)}": r for s, r in first.jacobian_rate.items()}
     for name, norms in transformers.norms.items():
         key, fit = ("pre_ln" if name == PRE_LN else "post_ln"), transformers.fits[name]
         m |= {f"{key}_rate": fit.rate, f"{key}_rate_stderr": fit.rate_stderr,
               f"{key}_first_over_last": (norms[0] / norms[-1]).item()}
-    return m
+    return m | {"c2_seeds": len(stacks.seeds)}
 
 
-def c2_table(stacks: StackProfiles, transformers: TransformerProfiles) -> str:
-    rows = [("stack", "sigma", "log(sigma)", "fitted rate", "stderr", "Jacobian RMS log-sv")]
-    for (kind, sigma), fit in stacks.fits.items():
-        jr = f"{stacks.jacobian_rate[sigma]:+.5f}" if kind == "mlp" else "-"
+def c2_table(stacks: StackSeeds, transformers: TransformerProfiles) -> str:
+    first = stacks.first
+    rows = [("stack", "sigma", "log(sigma)", "fitted rate (seed 1)", "stderr", "Jacobian RMS log-sv")]
+    for (kind, sigma), fit in first.fits.items():
+        jr = f"{first.jacobian_rate[sigma]:+.5f}" if kind == "mlp" else "-"
         rows.append((kind, sigma, f"{math.log(sigma):+.5f}", f"{fit.rate:+.5f}", f"{fit.rate_stderr:.1e}", jr))
-    lines = [format_table(rows), ""]
+    e = stacks.estimates()
+    lines = [format_table(rows), "",
+             f"worst relative rate error over the sigmas, {len(stacks.seeds)} seeds: linear "
+             f"{e['rate_rel_error'].describe(3)}; tanh {e['mlp_rate_rel_error'].describe(3)}", ""]
     for name, norms in transformers.norms.items():
         fit = transformers.fits[name]
         lines.append(f"{name:<22} per-layer rate {fit.rate:+.5f} +- {fit.rate_stderr:.1e} (r2 {fit.r2:.2f}); "
@@ -193,42 +350,72 @@ def c2_table(stacks: StackProfiles, transformers: TransformerProfiles) -> str:
     return "\n".join(lines)
 
 
-def plot_c2(stacks: StackProfiles, transformers: TransformerProfiles) -> Figure:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+def _interval_bar(ax, x: float, e: Estimate, **style) -> None:
+    """The estimate as a point with its interval as an error bar (none drawn when it has no interval)."""
+    err = None if not e.has_interval else [[e.value - e.low], [e.high - e.value]]
+    ax.errorbar([x], [e.value], yerr=err, fmt="D", capsize=5, ms=7, **style)
+
+
+def plot_c2(stacks: StackSeeds, transformers: TransformerProfiles) -> Figure:
+    """Depth profiles of the first seed (linear, tanh, transformers) and the graded relative errors per seed with
+    their mean and 90% interval against the targets."""
+    first = stacks.first
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8), gridspec_kw=dict(width_ratios=[1, 1, 1, 0.8]))
     for ax, kind in zip(axes[:2], ("linear", "mlp")):
-        for sigma in stacks.sigmas:
-            norms = stacks.norms[kind, sigma].numpy()
+        for sigma in first.sigmas:
+            norms = first.norms[kind, sigma].numpy()
             k = np.arange(len(norms) - 1, -1, -1)
-            rate = stacks.fits[kind, sigma].rate
+            rate = first.fits[kind, sigma].rate
             ax.semilogy(k, norms, ".", ms=3, label=f"sigma={sigma}: measured, rate {rate:+.4f}")
             ax.semilogy(k, norms[-1] * sigma ** k.astype(float), "-", lw=0.8, color=ax.lines[-1].get_color(),
-                        alpha=0.6, label=f"sigma={sigma}: weights' prediction sigma^k")
+                        alpha=0.6, label=f"sigma={sigma}: sigma^k")
         ax.set_xlabel("layers between the block and the loss (k)")
         ax.set_ylabel("gradient norm at the block's output")
-        ax.set_title(f"{'linear' if kind == 'linear' else 'tanh'} stack, depth {stacks.depth}, width {stacks.width}")
-        ax.legend(fontsize=7)
+        ax.set_title(f"{'linear' if kind == 'linear' else 'tanh'} stack, depth {first.depth}, width {first.width}\n"
+                     f"(seed {stacks.seeds[0]})", fontsize=10)
+        ax.legend(fontsize=7, loc="best")
     for name, norms in transformers.norms.items():
         axes[2].semilogy(np.arange(len(norms))[::-1], norms.numpy(), ".-", ms=3,
                          label=f"{name}: rate {transformers.fits[name].rate:+.4f}")
     axes[2].set_xlabel("blocks between the block and the loss")
-    axes[2].set_title(f"residual transformers at init, {transformers.layers} layers, width {transformers.width}")
-    axes[2].legend(fontsize=7)
+    axes[2].set_ylabel("mean gradient norm at the block's output")
+    axes[2].set_title(f"residual transformers at init\n{transformers.layers} layers, width {transformers.width}",
+                      fontsize=10)
+    axes[2].legend(fontsize=7, loc="best")
+    ax = axes[3]
+    e = stacks.estimates()
+    for x, (key, kind, target) in enumerate((("rate_rel_error", "linear", 0.10), ("mlp_rate_rel_error", "mlp", 0.25))):
+        errs = stacks.rel_errors(kind)
+        ax.plot(np.full(len(errs), x) + np.linspace(-0.12, 0.12, len(errs)), errs, "o", color="grey", ms=4,
+                alpha=0.7, label="per seed" if x == 0 else None)
+        _interval_bar(ax, x, e[key], color="C3", label=f"mean, 90% interval (n={e[key].n})" if x == 0 else None)
+        ax.plot([x - 0.3, x + 0.3], [target] * 2, "k--", lw=1, label="post's bound" if x == 0 else None)
+        ax.text(x + 0.32, target, f"<= {target:g}", va="center", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xticks([0, 1], ["linear", "tanh"])
+    ax.set_xlim(-0.5, 1.8)
+    ax.set_ylabel("|fitted rate - log(sigma)| / |log(sigma)|\n(worst over the sigmas)")
+    ax.set_title("graded: relative rate error", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
 
 
-def c2_texts(stacks: StackProfiles, transformers: TransformerProfiles, corpus: str) -> dict[str, str]:
+def c2_texts(stacks: StackSeeds, transformers: TransformerProfiles, corpus: str) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for C2's verdict."""
-    top = max(stacks.sigmas)
-    linear, mlp = stacks.rel_error("linear"), stacks.rel_error("mlp")
+    first = stacks.first
+    top = max(first.sigmas)
+    e = stacks.estimates()
     return dict(
-        scale=(f"orthogonal x sigma stacks (depth {stacks.depth}, width {stacks.width}, float64); transformers "
-               f"{transformers.layers} layers x {transformers.width} at init on the {corpus} corpus"),
-        measured_text=(f"linear stacks: per-layer growth rate = log(sigma) to a relative error of {linear:.2g}; "
-                       f"tanh stacks: rate off log(sigma) by up to {mlp:.0%} (relative error {mlp:.3f})"),
+        scale=(f"orthogonal x sigma stacks (depth {first.depth}, width {first.width}, float64, {len(stacks.seeds)} "
+               f"seeds); transformers {transformers.layers} layers x {transformers.width} at init on the {corpus} "
+               "corpus"),
+        measured_text=(f"linear stacks: per-layer growth rate = log(sigma), relative error "
+                       f"{e['rate_rel_error'].describe(2)}; tanh stacks: rate off log(sigma), relative error "
+                       f"{e['mlp_rate_rel_error'].describe(3)}"),
         note=(f"tanh stacks follow their Jacobians' RMS singular values, not the weights' sigma "
-              f"(sigma {top:g}: rate {stacks.fits['mlp', top].rate:+.4f} vs log(sigma) {math.log(top):+.4f}, "
-              f"Jacobian {stacks.jacobian_rate[top]:+.4f}); residual transformers: pre-LN rate "
+              f"(sigma {top:g}, first seed: rate {first.fits['mlp', top].rate:+.4f} vs log(sigma) "
+              f"{math.log(top):+.4f}, Jacobian {first.jacobian_rate[top]:+.4f}); residual transformers: pre-LN rate "
               f"{transformers.fits[PRE_LN].rate:+.4f}, post-LN {transformers.fits[POST_LN].rate:+.4f} per layer"),
     )
 
@@ -296,18 +483,32 @@ class ClippingSweep:
         return (reached if reached is not None else self.steps + 1) / max(1, ref or self.steps)
 
 
-def clipping_sweep(text, *, steps: int, thresholds: list[float], hidden: int, layers: int, batch_size: int,
-                   seq_len: int, adamw_lr: float, sgd_lr: float, warmup_fraction: float, seed: int) -> ClippingSweep:
-    """Every threshold probed on a fresh model with the same initial weights, batches and dropout seed."""
-    config = bert_small_config(MLM_VOCAB_SIZE, hidden=hidden, layers=layers, heads=4, max_len=seq_len,
-                               pad_token_id=PAD_ID)
-    batches = list(mlm_batches(text.train, batch_size, seq_len, seed=seed, steps=steps))  # one stream for every run
-    val_batches = list(mlm_batches(text.val, batch_size, seq_len, seed=seed + 1, steps=8))
-    schedule = bert_schedule(steps, max(1, int(warmup_fraction * steps)))
+def _c3_config(settings: GradientExplosionSettings):
+    s = settings
+    return bert_small_config(MLM_VOCAB_SIZE, hidden=s.c3_hidden, layers=s.c3_layers, heads=4, max_len=s.seq_len,
+                             pad_token_id=PAD_ID)
+
+
+def _c3_schedule(settings: GradientExplosionSettings):
+    return bert_schedule(settings.c3_steps, max(1, int(settings.warmup_fraction * settings.c3_steps)))
+
+
+def _target(unclipped: np.ndarray, steps: int) -> float:
+    """Where an unclipped run ends up: its mean loss over the last 10% of steps (at least ``WINDOW``)."""
+    return float(np.mean(unclipped[-max(WINDOW, steps // 10):]))
+
+
+def clipping_sweep(text, settings: GradientExplosionSettings) -> ClippingSweep:
+    """At the first seed, every threshold and both optimizers probed on a fresh model with the same initial weights,
+    batches and dropout seed, and the unclipped reference of each optimizer."""
+    s = settings
+    seed, steps, config, schedule = s.seed, s.c3_steps, _c3_config(s), _c3_schedule(s)
+    batches = list(mlm_batches(text.train, s.c3_batch, s.seq_len, seed=seed, steps=steps))  # one stream for every run
+    val_batches = list(mlm_batches(text.val, s.c3_batch, s.seq_len, seed=seed + 1, steps=8))
     traces, unclipped, val, target, reached = {}, {}, {}, {}, {}
     for name in OPTIMIZERS:
-        make_opt = make_optimizer(name, adamw_lr, sgd_lr)
-        for c in tqdm(thresholds, desc=f"{name}: clipped runs (probe)", mininterval=10):
+        make_opt = make_optimizer(name, s.adamw_lr, s.sgd_lr)
+        for c in tqdm(s.c3_thresholds, desc=f"{name}: clipped runs (probe)", mininterval=10):
             model = build_bert_mlm(config, seed=seed)
             traces[name, c] = measure_clipping(model, mlm_loss, batches, make_opt, c, steps, make_scheduler=schedule,
                                                seed=seed)
@@ -315,16 +516,97 @@ def clipping_sweep(text, *, steps: int, thresholds: list[float], hidden: int, la
         model = build_bert_mlm(config, seed=seed)
         unclipped[name] = train_unclipped(model, make_opt, batches, schedule, seed, desc=f"{name}: unclipped")
         val[name, None] = mlm_val_loss(model, val_batches)
-        target[name] = float(np.mean(unclipped[name][-max(WINDOW, steps // 10):]))
+        target[name] = _target(unclipped[name], steps)
         reached[name, None] = steps_to_target(unclipped[name], target[name], window=WINDOW)
-        for c in thresholds:
+        for c in s.c3_thresholds:
             reached[name, c] = steps_to_target(traces[name, c].loss, target[name], window=WINDOW)
-    return ClippingSweep(tuple(thresholds), steps, count_parameters(model), traces, unclipped, val, target, reached)
+    return ClippingSweep(tuple(s.c3_thresholds), steps, count_parameters(model), traces, unclipped, val, target,
+                         reached)
+
+
+@dataclass(frozen=True)
+class ClippingSeed:
+    """The graded cell (AdamW, clip 1.0) at one seed: the clipped run's trace and the unclipped run's losses,
+    both from that seed's initial weights, batches and dropout seed."""
+
+    seed: int
+    trace: ClippingTrace
+    unclipped: np.ndarray
+    steps: int
+
+    @property
+    def target(self) -> float:
+        return _target(self.unclipped, self.steps)
+
+    @property
+    def steps_unclipped(self) -> int | None:
+        return steps_to_target(self.unclipped, self.target, window=WINDOW)
+
+    @property
+    def steps_clipped(self) -> int | None:
+        return steps_to_target(self.trace.loss, self.target, window=WINDOW)
+
+    @property
+    def effective_lr_reduction(self) -> float:
+        return self.trace.summary()["effective_lr_reduction"]
+
+    @property
+    def slowdown(self) -> float:
+        """Steps to target, clipped / unclipped; a run that never gets there counts as ``steps + 1`` (a bound)."""
+        reached, ref = self.steps_clipped, self.steps_unclipped
+        return (reached if reached is not None else self.steps + 1) / max(1, ref or self.steps)
+
+
+@dataclass(frozen=True)
+class ClippingSeeds:
+    """The graded cell at every seed; the graded numbers are t intervals over the per-seed values."""
+
+    runs: tuple[ClippingSeed, ...]
+
+    @property
+    def reductions(self) -> list[float]:
+        return [r.effective_lr_reduction for r in self.runs]
+
+    @property
+    def slowdowns(self) -> list[float]:
+        return [r.slowdown for r in self.runs]
+
+    def estimates(self) -> dict[str, Estimate]:
+        return {"effective_lr_reduction": mean_interval(self.reductions, method="t interval over seeds"),
+                "convergence_slowdown": mean_interval(self.slowdowns, method="t interval over seeds", unit="x")}
+
+    def repeated(self) -> dict[str, Repeated]:
+        """The graded estimates' per-seed values, for ``claims.regrade_leaving_out``."""
+        return {"effective_lr_reduction": Repeated(mean_interval, (self.reductions,),
+                                                   options={"method": "t interval over seeds"}),
+                "convergence_slowdown": Repeated(mean_interval, (self.slowdowns,),
+                                                 options={"method": "t interval over seeds", "unit": "x"})}
+
+    def rows(self) -> list[dict[str, float]]:
+        return [{"seed": r.seed, "effective_lr_reduction": r.effective_lr_reduction, "convergence_slowdown": r.slowdown,
+                 "clip_fraction": r.trace.summary()["clip_fraction"], "target_loss": r.target,
+                 "steps_unclipped": r.steps_unclipped if r.steps_unclipped is not None else -1,
+                 "steps_clipped": r.steps_clipped if r.steps_clipped is not None else -1} for r in self.runs]
+
+
+def clipping_seeds(text, settings: GradientExplosionSettings, sweep: ClippingSweep) -> ClippingSeeds:
+    """The graded cell at each of ``c3_seeds`` seeds: the first from ``sweep`` (the same runs), the others trained
+    here, each seed's clipped and unclipped runs sharing initial weights, batches and dropout seed."""
+    s = settings
+    runs = [ClippingSeed(s.seed, sweep.traces["AdamW", GRADED_CLIP], sweep.unclipped["AdamW"], s.c3_steps)]
+    config, schedule, make_opt = _c3_config(s), _c3_schedule(s), make_optimizer("AdamW", s.adamw_lr, s.sgd_lr)
+    for seed in tqdm(s.seeds(s.c3_seeds)[1:], desc="AdamW clip 1.0: seeds", mininterval=10):
+        batches = list(mlm_batches(text.train, s.c3_batch, s.seq_len, seed=seed, steps=s.c3_steps))
+        trace = measure_clipping(build_bert_mlm(config, seed=seed), mlm_loss, batches, make_opt, GRADED_CLIP,
+                                 s.c3_steps, make_scheduler=schedule, seed=seed)
+        unclipped = train_unclipped(build_bert_mlm(config, seed=seed), make_opt, batches, schedule, seed)
+        runs.append(ClippingSeed(seed, trace, unclipped, s.c3_steps))
+    return ClippingSeeds(tuple(runs))
 
 
 def c3_metrics(sweep: ClippingSweep) -> dict[str, float]:
-    """Per optimizer and threshold, and the headline at AdamW, clip 1.0 (the threshold BERT uses)."""
-    if 1.0 not in sweep.thresholds:
+    """Per optimizer and threshold at the first seed (the graded numbers are :meth:`ClippingSeeds.estimates`)."""
+    if GRADED_CLIP not in sweep.thresholds:
         raise ValueError(f"c3_thresholds={list(sweep.thresholds)} must include 1.0, the threshold C3 is graded at")
     m: dict[str, float] = {}
     for name in OPTIMIZERS:
@@ -333,12 +615,10 @@ def c3_metrics(sweep: ClippingSweep) -> dict[str, float]:
             m |= {f"{name}_{_tag(c)}_{k}": s[k] for k in ("clip_fraction", "effective_lr_reduction",
                                                          "effective_lr_reduction_ratio_of_means", "mean_update_cosine")}
             m[f"{name}_{_tag(c)}_val_loss"] = sweep.val_loss[name, c]
+            m[f"{name}_{_tag(c)}_slowdown"] = sweep.slowdown(name, c)
         m[f"{name}_unclipped_val_loss"] = sweep.val_loss[name, None]
-    ref, reached = sweep.steps_to_target["AdamW", None], sweep.steps_to_target["AdamW", 1.0]
-    m |= dict(effective_lr_reduction=sweep.traces["AdamW", 1.0].summary()["effective_lr_reduction"],
-              convergence_slowdown=sweep.slowdown("AdamW", 1.0), target_loss=sweep.target["AdamW"],
-              steps_unclipped=ref or -1, steps_clipped=reached or -1)
-    return m
+    ref, reached = sweep.steps_to_target["AdamW", None], sweep.steps_to_target["AdamW", GRADED_CLIP]
+    return m | dict(target_loss=sweep.target["AdamW"], steps_unclipped=ref or -1, steps_clipped=reached or -1)
 
 
 def c3_table(sweep: ClippingSweep) -> str:
@@ -375,8 +655,11 @@ class LargeProbe:
                          for s, g, c, r in zip(t.step, t.grad_norm, t.clip_coefficient, t.update_ratio))
 
 
-def bert_large_probe(text, steps: int, batch_size: int, seq_len: int, seed: int, device: str) -> LargeProbe | None:
-    """AdamW (lr 1e-4, weight decay 0.01) clipped at 1.0 for ``steps`` steps; None when ``steps`` is 0."""
+def bert_large_probe(text, settings: GradientExplosionSettings) -> LargeProbe | None:
+    """AdamW (lr 1e-4, weight decay 0.01) clipped at 1.0 for ``bert_large_steps`` steps at the first seed; None when
+    that is 0."""
+    s = settings
+    steps, batch_size, seq_len, seed, device = s.bert_large_steps, s.bert_large_batch, s.seq_len, s.seed, s.device
     if steps == 0:
         return None
     model = build_bert_mlm(bert_large_config(MLM_VOCAB_SIZE, max_len=seq_len, pad_token_id=PAD_ID), seed=seed,
@@ -388,9 +671,11 @@ def bert_large_probe(text, steps: int, batch_size: int, seq_len: int, seed: int,
     return LargeProbe(trace, count_parameters(model))
 
 
-def plot_c3(sweep: ClippingSweep) -> Figure:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    for name, ax in zip(OPTIMIZERS, axes[:2]):
+def plot_c3(sweep: ClippingSweep, seeds: ClippingSeeds) -> Figure:
+    """The first seed's update ratios (AdamW, SGD) and AdamW losses, and the graded reduction and slowdown per seed
+    with their mean and 90% interval against the post's targets."""
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    for name, ax in zip(OPTIMIZERS, axes[0]):
         for c in sweep.thresholds:
             t = sweep.traces[name, c]
             smooth = np.convolve(t.update_ratio, np.ones(WINDOW) / WINDOW, mode="valid")
@@ -399,37 +684,68 @@ def plot_c3(sweep: ClippingSweep) -> Figure:
                           f"reduction {t.summary()['effective_lr_reduction']:+.0%}")
         ax.axhline(1, color="k", lw=0.6)
         ax.axhspan(1 - 0.35, 1 - 0.27, color="grey", alpha=0.2, label="post: 27-35% reduction")
-        ax.set(title=f"{name}: ||clipped update|| / ||unclipped update|| ({WINDOW}-step mean)", xlabel="step")
-        ax.legend(fontsize=7)
+        ax.set(title=f"{name} (seed {sweep_seed(seeds)}): ||clipped update|| / ||unclipped update||\n"
+                     f"({WINDOW}-step mean)", xlabel="step", ylabel="update-norm ratio (clipped / unclipped)")
+        ax.title.set_fontsize(10)
+        ax.legend(fontsize=7, loc="best")
+    ax = axes[1, 0]
     for c in sweep.thresholds:
-        axes[2].plot(sweep.traces["AdamW", c].loss, lw=0.7, label=f"AdamW, clip {c}")
-    axes[2].plot(sweep.unclipped["AdamW"], lw=0.7, color="k", label="AdamW, no clipping")
-    first = sweep.thresholds[0]
-    axes[2].plot(sweep.traces["AdamW", first].grad_norm, lw=0.5, color="grey", alpha=0.6,
-                 label=f"gradient norm (clip {first} run)")
-    axes[2].set(title=f"MLM loss (target {sweep.target['AdamW']:.3f})", xlabel="step", yscale="log")
-    axes[2].axhline(sweep.target["AdamW"], color="k", ls=":", lw=0.8)
-    axes[2].legend(fontsize=7)
-    fig.tight_layout()
+        ax.plot(sweep.traces["AdamW", c].loss, lw=0.7, label=f"AdamW, clip {c}")
+    ax.plot(sweep.unclipped["AdamW"], lw=0.7, color="k", label="AdamW, no clipping")
+    ax.axhline(sweep.target["AdamW"], color="k", ls=":", lw=0.8, label=f"target {sweep.target['AdamW']:.3f}")
+    ax.set(title=f"MLM loss (seed {sweep_seed(seeds)})", xlabel="step", ylabel="MLM loss (nats/byte)", yscale="log")
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=7, loc="upper right")
+    ax = axes[1, 1]
+    e = seeds.estimates()
+    panels = (("effective_lr_reduction", seeds.reductions, (0.27, 0.35), "reduction 27-35%"),
+              ("convergence_slowdown", seeds.slowdowns, (1.1, None), "slowdown >= 1.1"))
+    twin = ax.twinx()
+    for x, (key, values, (lo, hi), text) in enumerate(panels):
+        a = ax if x == 0 else twin
+        a.plot(np.full(len(values), x) + np.linspace(-0.1, 0.1, len(values)), values, "o", color="grey", ms=4,
+               alpha=0.7, label="per seed" if x == 0 else None)
+        _interval_bar(a, x, e[key], color="C3", label=f"mean, 90% interval (n={e[key].n})" if x == 0 else None)
+        if hi is None:
+            a.plot([x - 0.3, x + 0.3], [lo] * 2, "k--", lw=1)
+        else:
+            a.fill_between([x - 0.3, x + 0.3], lo, hi, color="grey", alpha=0.25, label="post's target")
+        a.text(x, 1.02, f"post: {text}", transform=a.get_xaxis_transform(), ha="center", fontsize=8)
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xticks([0, 1], ["effective LR reduction\n(left axis)", "convergence slowdown\n(right axis)"])
+    ax.set_xlim(-0.6, 1.6)
+    ax.set_ylabel("1 - mean update-norm ratio (AdamW, clip 1.0)")
+    twin.set_ylabel("steps to target, clipped / unclipped (x)")
+    ax.set_title("graded, over seeds", fontsize=10, pad=18)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)  # below the axes: covers nothing
+    fig.tight_layout(h_pad=2.5)
     return fig
 
 
-def c3_texts(sweep: ClippingSweep, large: LargeProbe | None, *, layers: int, hidden: int, batch_size: int,
-             seq_len: int, adamw_lr: float, corpus: str) -> dict[str, str]:
+def sweep_seed(seeds: ClippingSeeds) -> int:
+    """The seed of the threshold sweep (the first)."""
+    return seeds.runs[0].seed
+
+
+def c3_texts(sweep: ClippingSweep, seeds: ClippingSeeds, large: LargeProbe | None,
+             settings: GradientExplosionSettings) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for C3's verdict."""
-    m = c3_metrics(sweep)
+    s = settings
+    m, e = c3_metrics(sweep), seeds.estimates()
+    clipped = np.mean([r.trace.summary()["clip_fraction"] for r in seeds.runs])
     large_note = ""
     if large is not None:
         large_note = (f"; BERT-large shape at init ({len(large.trace.step)} steps): gradient norm "
                       f"{large.trace.grad_norm.mean():.1f}, every step clipped, yet AdamW's update ratio "
                       f"{large.trace.update_ratio.mean():.3f}")
     return dict(
-        scale=(f"BertForMaskedLM {layers} layers x {hidden} ({sweep.n_params / 1e6:.2f}M params), {sweep.steps} steps "
-               f"of {batch_size}x{seq_len} bytes on the {corpus} corpus, AdamW lr {adamw_lr} with warmup and decay"),
-        measured_text=(f"AdamW, clip 1.0: {m['AdamW_clip1_clip_fraction']:.0%} of steps clipped, effective LR "
-                       f"reduction {m['effective_lr_reduction']:+.1%}, steps to target clipped/unclipped "
-                       f"{m['convergence_slowdown']:.2f}"),
-        note=(f"SGD+momentum at clip 1.0: reduction {m['SGD_clip1_effective_lr_reduction']:+.1%}; Adam is "
+        scale=(f"BertForMaskedLM {s.c3_layers} layers x {s.c3_hidden} ({sweep.n_params / 1e6:.2f}M params), "
+               f"{sweep.steps} steps of {s.c3_batch}x{s.seq_len} bytes on the {s.corpus} corpus, AdamW lr {s.adamw_lr} "
+               f"with warmup and decay; {len(seeds.runs)} seeds, clipped and unclipped paired per seed"),
+        measured_text=(f"AdamW, clip 1.0: {clipped:.0%} of steps clipped (mean over seeds), effective LR reduction "
+                       f"{e['effective_lr_reduction'].describe(3)}, steps to target clipped/unclipped "
+                       f"{e['convergence_slowdown'].describe(3)}"),
+        note=(f"SGD+momentum at clip 1.0 (first seed): reduction {m['SGD_clip1_effective_lr_reduction']:+.1%}; Adam is "
               f"invariant to a constant gradient scale, so clipping only reweights steps against each other"
               + large_note),
     )
@@ -484,18 +800,73 @@ def train_residual(kind: str, text, *, steps: int, lr: float, layers: int, width
     return ResidualRun(kind, log.losses, grad_norms, gains, composite_gain(model), val, count_parameters(model))
 
 
-def residual_runs(text, **kwargs) -> dict[str, ResidualRun]:
-    """:func:`train_residual` for residual, HC and mHC, same seed, data and optimizer."""
-    return {kind: train_residual(kind, text, **kwargs) for kind in RESIDUAL_KINDS}
+def _train_kind(kind: str, text, settings: GradientExplosionSettings, seed: int) -> ResidualRun:
+    s = settings
+    return train_residual(kind, text, steps=s.r1_steps, lr=s.r1_lr, layers=s.r1_layers, width=s.r1_width,
+                          n_streams=s.n_streams, seq_len=s.seq_len, batch_size=s.batch_size, gain_every=s.r1_gain_every,
+                          n_eval_batches=s.r1_eval_batches, seed=seed)
+
+
+def residual_runs(text, settings: GradientExplosionSettings, seed: int | None = None,
+                  kinds: tuple[str, ...] = RESIDUAL_KINDS) -> dict[str, ResidualRun]:
+    """:func:`train_residual` for each of ``kinds`` at ``seed`` (default the first), same data and optimizer."""
+    seed = settings.seed if seed is None else seed
+    return {kind: _train_kind(kind, text, settings, seed) for kind in kinds}
+
+
+def _gain_ratio(hc: list[float], mhc: list[float]) -> Estimate:
+    """HC's peak gain over mHC's, taken per seed, with a t interval over the per-seed ratios."""
+    return mean_interval(np.asarray(hc) / np.asarray(mhc), method="t interval over per-seed ratios", unit="x")
+
+
+@dataclass(frozen=True)
+class ResidualSeeds:
+    """HC and mHC at every seed (the kinds of one seed start from the same draws and see the same batches), and
+    the first seed's residual run as the reference."""
+
+    seeds: tuple[int, ...]
+    runs: tuple[dict[str, ResidualRun], ...]
+
+    @property
+    def first(self) -> dict[str, ResidualRun]:
+        return self.runs[0]
+
+    def peaks(self, kind: str) -> list[float]:
+        return [r[kind].peak_gain for r in self.runs]
+
+    def estimates(self) -> dict[str, Estimate]:
+        hc, mhc = self.peaks("hc"), self.peaks("mhc")
+        return {"mhc_peak_gain": mean_interval(mhc, method="t interval over seeds"),
+                "hc_peak_gain": mean_interval(hc, method="t interval over seeds"),
+                "hc_over_mhc_gain": _gain_ratio(hc, mhc)}
+
+    def repeated(self) -> dict[str, Repeated]:
+        """The graded estimates' per-seed values, for ``claims.regrade_leaving_out``."""
+        return {"mhc_peak_gain": Repeated(mean_interval, (self.peaks("mhc"),),
+                                          options={"method": "t interval over seeds"}),
+                "hc_over_mhc_gain": Repeated(_gain_ratio, (self.peaks("hc"), self.peaks("mhc")))}
+
+    def rows(self) -> list[dict[str, float]]:
+        return [{"seed": seed, "hc_peak_gain": r["hc"].peak_gain, "mhc_peak_gain": r["mhc"].peak_gain,
+                 "hc_over_mhc_gain": r["hc"].peak_gain / r["mhc"].peak_gain, "hc_val_loss": r["hc"].val_loss,
+                 "mhc_val_loss": r["mhc"].val_loss} for seed, r in zip(self.seeds, self.runs)]
+
+
+def residual_seeds(text, settings: GradientExplosionSettings) -> ResidualSeeds:
+    """Residual, HC and mHC at the first seed; HC and mHC at each further seed of ``r1_seeds``."""
+    seeds = settings.seeds(settings.r1_seeds)
+    runs = [residual_runs(text, settings)]
+    runs += [residual_runs(text, settings, seed, kinds=("hc", "mhc")) for seed in seeds[1:]]
+    return ResidualSeeds(tuple(seeds), tuple(runs))
 
 
 def r1_metrics(runs: dict[str, ResidualRun]) -> dict[str, float]:
+    """The first seed's runs (the graded gains are :meth:`ResidualSeeds.estimates`)."""
     m: dict[str, float] = {}
     for kind, r in runs.items():
         m |= {f"{kind}_val_loss": r.val_loss, f"{kind}_peak_gain_over_training": r.peak_gain,
               f"{kind}_grad_spike_ratio": r.spike}
-    hc, mhc = runs["hc"].peak_gain, runs["mhc"].peak_gain
-    return m | dict(mhc_peak_gain=mhc, hc_peak_gain=hc, hc_over_mhc_gain=hc / mhc)
+    return m
 
 
 def r1_series(runs: dict[str, ResidualRun]) -> list[tuple[int, dict[str, float]]]:
@@ -514,9 +885,12 @@ def r1_table(runs: dict[str, ResidualRun]) -> str:
                      f"max/median gradient norm {r.spike:.2f}" for kind, r in runs.items())
 
 
-def plot_r1(runs: dict[str, ResidualRun]) -> Figure:
+def plot_r1(seeds: ResidualSeeds) -> Figure:
+    """The first seed's training (loss, gradient norm, peak gain over training, gain against depth) and the graded
+    gains per seed with their mean and 90% interval against the post's bound."""
+    runs = seeds.first
     colors = {"residual": "#4c72b0", "hc": "#c44e52", "mhc": "#55a868"}
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.8), gridspec_kw=dict(width_ratios=[1, 1, 1, 1, 0.8]))
     for kind, r in runs.items():
         steps = np.arange(len(r.losses))
         axes[0].plot(steps, r.losses, color=colors[kind], lw=0.8, label=f"{kind} (val {r.val_loss:.3f})")
@@ -526,34 +900,57 @@ def plot_r1(runs: dict[str, ResidualRun]) -> Figure:
         depth = np.arange(1, len(r.final_gain.forward) + 1)
         axes[3].semilogy(depth, r.final_gain.forward.numpy(), "-", color=colors[kind], label=f"{kind} forward")
         axes[3].semilogy(depth, r.final_gain.backward.numpy(), "--", color=colors[kind], label=f"{kind} backward")
-    axes[0].set(title="training loss", xlabel="step", ylabel="loss (nats/byte)")
-    axes[1].set(title="gradient norm", xlabel="step")
-    axes[2].set(title="peak composite gain over depth", xlabel="step")
-    axes[3].set(title="composite gain vs depth, end of training", xlabel="sublayers")
-    for ax in axes:
-        ax.legend(fontsize=7)
+    first = seeds.seeds[0]
+    axes[0].set(title=f"training loss (seed {first})", xlabel="step", ylabel="loss (nats/byte)")
+    axes[1].set(title=f"gradient norm (seed {first})", xlabel="step", ylabel="total gradient norm before the step")
+    axes[2].set(title=f"peak composite gain over depth (seed {first})", xlabel="step",
+                ylabel="peak composite gain (x)")
+    axes[3].set(title=f"composite gain vs depth, end (seed {first})", xlabel="sublayers", ylabel="composite gain (x)")
+    ax = axes[4]
+    e = seeds.estimates()
+    for x, (key, values) in enumerate((("mhc_peak_gain", seeds.peaks("mhc")),
+                                      ("hc_over_mhc_gain", list(np.divide(seeds.peaks("hc"), seeds.peaks("mhc")))))):
+        ax.plot(np.full(len(values), x) + np.linspace(-0.1, 0.1, len(values)), values, "o", color="grey", ms=4,
+                alpha=0.7, label="per seed" if x == 0 else None)
+        _interval_bar(ax, x, e[key], color="C3", label=f"mean, 90% interval (n={e[key].n})" if x == 0 else None)
+    ax.plot([-0.3, 0.3], [2, 2], "k--", lw=1, label="post's bounds")
+    ax.text(0.32, 2, "<= 2", va="center", fontsize=8)
+    ax.plot([0.7, 1.3], [10, 10], "k--", lw=1)
+    ax.text(1.32, 10, ">= 10", va="center", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xticks([0, 1], ["mHC peak gain", "HC / mHC\n(per seed)"])
+    ax.set_xlim(-0.5, 1.8)
+    ax.set_ylabel("gain (x)")
+    ax.set_title("graded, over seeds")
+    for a in axes:
+        a.title.set_fontsize(10)
+        a.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig
 
 
-def r1_texts(runs: dict[str, ResidualRun], *, layers: int, width: int, n_streams: int, steps: int, lr: float,
-             corpus: str) -> dict[str, str]:
+def r1_texts(seeds: ResidualSeeds, settings: GradientExplosionSettings) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for R1's verdict."""
+    s = settings
+    runs = seeds.first
     hc, mhc = runs["hc"], runs["mhc"]
+    e = seeds.estimates()
     return dict(
-        scale=(f"{hc.n_params / 1e6:.2f}M-parameter decoder ({layers} layers = {2 * layers} sublayers, width {width}, "
-               f"n={n_streams} streams), {steps} AdamW steps at lr {lr} on the {corpus} corpus; published: 27B"),
-        measured_text=(f"peak composite gain: HC {hc.peak_gain:.4g}, mHC {mhc.peak_gain:.4g} "
-                       f"(ratio {hc.peak_gain / mhc.peak_gain:.3g})"),
-        note=(f"val loss residual {runs['residual'].val_loss:.3f}, HC {hc.val_loss:.3f}, mHC {mhc.val_loss:.3f}; "
-              f"max/median grad norm HC {hc.spike:.2f}, mHC {mhc.spike:.2f}"),
+        scale=(f"{hc.n_params / 1e6:.2f}M-parameter decoder ({s.r1_layers} layers = {2 * s.r1_layers} sublayers, "
+               f"width {s.r1_width}, n={s.n_streams} streams), {s.r1_steps} AdamW steps at lr {s.r1_lr} on the "
+               f"{s.corpus} corpus, {len(seeds.seeds)} seeds; published: 27B"),
+        measured_text=(f"peak composite gain over training: mHC {e['mhc_peak_gain'].describe(3)}; HC "
+                       f"{e['hc_peak_gain'].describe(3)}; HC / mHC per seed {e['hc_over_mhc_gain'].describe(3)}"),
+        note=(f"first seed: val loss residual {runs['residual'].val_loss:.3f}, HC {hc.val_loss:.3f}, mHC "
+              f"{mhc.val_loss:.3f}; max/median grad norm HC {hc.spike:.2f}, mHC {mhc.spike:.2f}"),
     )
 
 
 __all__ = [
-    "ClippingSweep", "LargeProbe", "ResidualRun", "StackProfiles", "TransformerProfiles", "bert_large_probe",
+    "GRADED_CLIP", "ClippingSeed", "ClippingSeeds", "ClippingSweep", "GradientExplosionSettings", "LargeProbe",
+    "ResidualRun", "ResidualSeeds", "StackProfiles", "StackSeeds", "TransformerProfiles", "bert_large_probe",
     "bert_schedule", "block_norm_profile", "c2_metrics", "c2_table", "c2_texts", "c3_metrics", "c3_table", "c3_texts",
-    "clipping_sweep", "jacobian_log_rate", "make_optimizer", "mlm_val_loss", "plot_c2", "plot_c3", "plot_r1",
-    "r1_metrics", "r1_series", "r1_table", "r1_texts", "residual_runs", "stack_profiles", "train_residual",
-    "train_unclipped", "transformer_profiles",
+    "clipping_seeds", "clipping_sweep", "jacobian_log_rate", "make_optimizer", "mlm_val_loss", "plot_c2", "plot_c3",
+    "plot_r1", "r1_metrics", "r1_series", "r1_table", "r1_texts", "residual_runs", "residual_seeds", "stack_profiles",
+    "stack_seeds", "train_residual", "train_unclipped", "transformer_profiles",
 ]

@@ -8,12 +8,15 @@ Both train a small GPT-2-style decoder on the byte corpus through the project's 
   accumulation count sees the same tokens per update and the same number of updates: in exact arithmetic all
   counts give the same trajectory, and any difference between them is precision. The optimizer has the master
   copy forced on or off and counts the updates that round to zero. :func:`accumulation_sweep` runs it for every
-  (dtype, master, k) and an fp32 reference; :func:`accumulation_metrics` grades the master copy's loss gain at
-  k >= 4 against k < 4 and the rounding noise (spread of the master-copy runs over k).
+  (dtype, master, k) and an fp32 reference per seed; :func:`accumulation_estimates` makes the master copy's loss gain
+  at k >= 4 and at k < 4 paired differences over seeds (no master minus master, per seed).
 - :func:`loss_scaling_run`: fp32 weights, fp16 autocast (what ``GradScaler`` is made for), with no loss scale,
   GradScaler, or the post's rule (``NormGradScaler``). Overflows are skipped updates; underflow is probed every
   ``probe_every`` updates against an fp32 backward at the same weights and batch. :func:`scaling_sweep` runs the
-  three.
+  three per seed; :func:`scaling_estimates` the GradScaler / rule loss ratio, a t interval over seeds.
+
+Seeds are paired: seed i gives every run the same initial weights (rounded to the run's dtype) and batch order, and
+every run is evaluated on the same held-out batches.
 
 A run whose loss turns non-finite stops there; the comparisons charge it the untrained model's held-out loss.
 
@@ -39,6 +42,7 @@ from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info
 from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
 from macroarch.experiments.settings import Settings
+from macroarch.measure.stats import Estimate, Repeated, mean_interval, paired_difference
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import AUTO_MASTER_MIN_ACCUMULATION, CompensatedAdamW
@@ -77,8 +81,10 @@ class MixedPrecisionSettings(Settings):
     """cpu or cuda."""
     threads: int
     """Torch threads."""
+    seeds: int = 1
+    """Paired seeds ``seed``, ``seed + 1``, ...: each seed's initial weights and batch order shared by every run."""
     seed: int = 0
-    """Initial weights and batch order."""
+    """First seed."""
     corpus: str = "stdlib"
     """data/text/<corpus>."""
     lr: float = 1e-3
@@ -87,7 +93,7 @@ class MixedPrecisionSettings(Settings):
     """16-bit weight dtypes of the master-copy runs."""
 
     def __post_init__(self) -> None:
-        self._positive("n_layers", "width", "n_heads", "seq_len", "batch_size", "steps", "scaling_steps",
+        self._positive("seeds", "n_layers", "width", "n_heads", "seq_len", "batch_size", "steps", "scaling_steps",
                        "emulated_steps", "probe_every", "eval_batches", "threads", "lr")
         self._non_empty("accumulation", "dtypes")
         self._device()
@@ -284,20 +290,26 @@ class Setup:
     settings: MixedPrecisionSettings
     sizes: Sizes
     spec: Any
-    train: list[Batch]
+    train: dict[int, list[Batch]]
+    """Per seed: its batches, in its order."""
     held_out: list[Batch]
     n_params: int
     initial_loss: float
 
-    def build(self, dtype: str) -> torch.nn.Module:
-        """The same initial weights for every run (seeded), rounded to the run's dtype."""
-        torch.manual_seed(self.settings.seed)
+    @property
+    def seeds(self) -> list[int]:
+        return [self.settings.seed + i for i in range(self.settings.seeds)]
+
+    def build(self, dtype: str, seed: int | None = None) -> torch.nn.Module:
+        """Seed ``seed``'s initial weights (the first seed's by default), rounded to the run's dtype."""
+        torch.manual_seed(self.settings.seed if seed is None else seed)
         return self.spec.build().to(device=self.settings.device, dtype=DTYPES[dtype])
 
     def describe(self) -> str:
         p = self.settings
         return (f"{p.n_layers}-layer decoder, width {p.width}: {self.n_params / 1e6:.3f}M parameters; "
-                f"{self.sizes.steps} updates of {p.batch_size}x{p.seq_len} bytes; held-out loss at init "
+                f"{self.sizes.steps} updates of {p.batch_size}x{p.seq_len} bytes, {p.seeds} paired seeds; held-out "
+                f"loss at init "
                 f"{self.initial_loss:.3f}\n{self.sizes.describe()}")
 
 
@@ -309,10 +321,10 @@ def setup(settings: MixedPrecisionSettings, sizes: Sizes) -> Setup:
     spec = get_model_spec("gpt3_tiny").scaled(n_layers=p.n_layers, d_model=p.width, n_heads=p.n_heads,
                                               n_kv_heads=p.n_heads, d_ff=4 * p.width, dropout=0.0,
                                               max_seq_len=p.seq_len)
-    s = Setup(p, sizes, spec, [], [], 0, math.nan)
+    s = Setup(p, sizes, spec, {}, [], 0, math.nan)
     s.n_params = sum(t.numel() for t in s.build("fp32").parameters())
-    s.train = list(lm_batches(text.train, p.batch_size, p.seq_len, seed=p.seed,
-                              steps=max(sizes.steps, sizes.scaling_steps)))
+    s.train = {seed: list(lm_batches(text.train, p.batch_size, p.seq_len, seed=seed,
+                                     steps=max(sizes.steps, sizes.scaling_steps))) for seed in s.seeds}
     s.held_out = list(eval_batches(text.val, p.batch_size, p.seq_len, max_batches=p.eval_batches))
     s.initial_loss = _eval_loss(s.build("fp32"), s.held_out)
     return s
@@ -329,193 +341,364 @@ def charged(setup: Setup, result: RunResult) -> float:
 
 @dataclass
 class AccumulationSweep:
-    reference: RunResult
-    results: dict[str, RunResult]
+    reference: dict[int, RunResult]
+    """Per seed: the fp32 run."""
+    results: dict[tuple[str, int], RunResult]
+    """Keyed ``(run_name(dtype, master, k), seed)``."""
 
 
 def accumulation_sweep(s: Setup, run: Any = None) -> AccumulationSweep:
-    """The fp32 reference, then every (dtype, master off/on, k); losses logged to ``run`` per update."""
+    """Per seed: the fp32 reference, then every (dtype, master off/on, k); the first seed's losses logged to ``run``
+    per update."""
     p, steps = s.settings, s.sizes.steps
-    reference = accumulation_run(s.build("fp32"), s.train[:steps], s.held_out, lr=p.lr, accumulation_steps=1,
-                                 master_weights=False)
-    results = {}
-    for dtype in p.dtypes:
-        for master in (False, True):
-            for k in p.accumulation:
-                key = run_name(dtype, master, k)
-                log = None if run is None else (lambda step, loss, key=key: run.log(step=step, **{f"{key}_loss": loss}))
-                results[key] = accumulation_run(s.build(dtype), s.train[:steps], s.held_out, lr=p.lr,
-                                                accumulation_steps=k, master_weights=master, on_update=log, desc=key)
+    reference, results = {}, {}
+    for seed in s.seeds:
+        reference[seed] = accumulation_run(s.build("fp32", seed), s.train[seed][:steps], s.held_out, lr=p.lr,
+                                           accumulation_steps=1, master_weights=False)
+        for dtype in p.dtypes:
+            for master in (False, True):
+                for k in p.accumulation:
+                    key = run_name(dtype, master, k)
+                    log = None if run is None or seed != s.seeds[0] else (
+                        lambda step, loss, key=key: run.log(step=step, **{f"{key}_loss": loss}))
+                    results[key, seed] = accumulation_run(s.build(dtype, seed), s.train[seed][:steps], s.held_out,
+                                                          lr=p.lr, accumulation_steps=k, master_weights=master,
+                                                          on_update=log, desc=f"{key} seed {seed}")
     return AccumulationSweep(reference, results)
 
 
-def _gain(s: Setup, sweep: AccumulationSweep, dtype: str, ks: Sequence[int]) -> float:
-    """Mean over ``ks`` of (loss without master) - (loss with master)."""
-    return float(np.mean([charged(s, sweep.results[run_name(dtype, False, k)])
-                          - charged(s, sweep.results[run_name(dtype, True, k)]) for k in ks]))
+def losses(s: Setup, sweep: AccumulationSweep, dtype: str, master: bool, k: int) -> np.ndarray:
+    """Per seed: the held-out loss of one configuration (diverged: the untrained model's)."""
+    return np.array([charged(s, sweep.results[run_name(dtype, master, k), seed]) for seed in s.seeds])
+
+
+def diverged(s: Setup, sweep: AccumulationSweep, dtype: str, master: bool, k: int) -> int:
+    return sum(sweep.results[run_name(dtype, master, k), seed].diverged for seed in s.seeds)
+
+
+def _mean_over_k(s: Setup, sweep: AccumulationSweep, dtype: str, master: bool, ks: Sequence[int]) -> np.ndarray:
+    return np.mean([losses(s, sweep, dtype, master, k) for k in ks], axis=0)
+
+
+def _split_k(accumulation: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The accumulation counts from the post's 4 on, and below it."""
+    return ([k for k in accumulation if k >= AUTO_MASTER_MIN_ACCUMULATION],
+            [k for k in accumulation if k < AUTO_MASTER_MIN_ACCUMULATION])
+
+
+def gain(s: Setup, sweep: AccumulationSweep, dtype: str, ks: Sequence[int]) -> Estimate:
+    """The master copy's held-out loss gain over ``ks``: per seed, the mean over ``ks`` of (loss without master) -
+    (loss with master); a paired t interval over seeds."""
+    return paired_difference(_mean_over_k(s, sweep, dtype, True, ks), _mean_over_k(s, sweep, dtype, False, ks),
+                             unit="nats/byte")
 
 
 def graded_dtype(dtypes: Sequence[str]) -> str:
     return "bf16" if "bf16" in dtypes else dtypes[0]  # bf16 has fp32's range: the gap is precision alone
 
 
+def accumulation_estimates(s: Setup, sweep: AccumulationSweep) -> dict[str, Estimate]:
+    """The graded ``master_copy_loss_gain`` (k >= 4) and ``master_copy_loss_gain_below_4`` of the graded dtype, and
+    the same per dtype (``{dtype}_master_copy_loss_gain_at_4_plus``, ``{dtype}_master_copy_loss_gain_below_4``)."""
+    high, low = _split_k(s.settings.accumulation)
+    out: dict[str, Estimate] = {}
+    for dtype in s.settings.dtypes:
+        if high:
+            out[f"{dtype}_master_copy_loss_gain_at_4_plus"] = gain(s, sweep, dtype, high)
+        if low:
+            out[f"{dtype}_master_copy_loss_gain_below_4"] = gain(s, sweep, dtype, low)
+    graded = graded_dtype(s.settings.dtypes)
+    if high:
+        out["master_copy_loss_gain"] = out[f"{graded}_master_copy_loss_gain_at_4_plus"]
+    if low:
+        out["master_copy_loss_gain_below_4"] = out[f"{graded}_master_copy_loss_gain_below_4"]
+    return out
+
+
 def accumulation_metrics(s: Setup, sweep: AccumulationSweep) -> dict[str, float]:
-    """Per-run losses and lost updates, the master copy's gain per dtype at k >= 4 and below, the noise."""
-    dtypes, accumulation = s.settings.dtypes, s.settings.accumulation
+    """Per configuration: the seed-mean held-out loss, the runs that diverged, the lost updates (mean over the seeds
+    that did not diverge); per dtype the diverged runs; the fp32 reference."""
+    p = s.settings
     m: dict[str, float] = {}
-    for key, r in sweep.results.items():
-        m[f"{key}_eval_loss"] = charged(s, r)
-        m[f"{key}_diverged"] = int(r.diverged)
-        if math.isfinite(r.metrics["lost_update_fraction"]):
-            m[f"{key}_lost_update_fraction"] = r.metrics["lost_update_fraction"]
-    high = [k for k in accumulation if k >= AUTO_MASTER_MIN_ACCUMULATION]
-    low = [k for k in accumulation if k < AUTO_MASTER_MIN_ACCUMULATION]
-    graded = graded_dtype(dtypes)
-    # Noise: with master on, every k runs the same fp32 optimizer on the same tokens, so their spread is the
-    # run-to-run scatter that rounding alone causes.
-    noise = (float(np.std([charged(s, sweep.results[run_name(graded, True, k)]) for k in accumulation], ddof=1))
-             if len(accumulation) > 1 else 0.0)
-    for dtype in dtypes:
-        m[f"{dtype}_master_copy_loss_gain_at_4_plus"] = _gain(s, sweep, dtype, high) if high else 0.0
-        m[f"{dtype}_master_copy_loss_gain_below_4"] = _gain(s, sweep, dtype, low) if low else 0.0
-        m[f"{dtype}_nomaster_diverged_runs"] = sum(sweep.results[run_name(dtype, False, k)].diverged
-                                                   for k in accumulation)
-        m[f"{dtype}_master_diverged_runs"] = sum(sweep.results[run_name(dtype, True, k)].diverged
-                                                 for k in accumulation)
-    m.update(master_copy_loss_gain=_gain(s, sweep, graded, high) if high else 0.0,
-             master_copy_loss_gain_below_4=_gain(s, sweep, graded, low) if low else 0.0, master_copy_noise=noise,
-             fp32_reference_eval_loss=sweep.reference.eval_loss, initial_eval_loss=s.initial_loss)
+    for dtype in p.dtypes:
+        for master in (False, True):
+            for k in p.accumulation:
+                key = run_name(dtype, master, k)
+                runs = [sweep.results[key, seed] for seed in s.seeds]
+                m[f"{key}_eval_loss"] = float(losses(s, sweep, dtype, master, k).mean())
+                m[f"{key}_diverged"] = sum(r.diverged for r in runs)
+                lost = [x for x in (r.metrics["lost_update_fraction"] for r in runs) if math.isfinite(x)]
+                if lost:
+                    m[f"{key}_lost_update_fraction"] = float(np.mean(lost))
+        for master in (False, True):
+            m[f"{dtype}_{'master' if master else 'nomaster'}_diverged_runs"] = sum(
+                diverged(s, sweep, dtype, master, k) for k in p.accumulation)
+    m.update(seeds=p.seeds, initial_eval_loss=s.initial_loss,
+             fp32_reference_eval_loss=float(np.mean([sweep.reference[seed].eval_loss for seed in s.seeds])))
     return m
 
 
 def log_gain_by_k(s: Setup, sweep: AccumulationSweep, run: Any) -> None:
-    """The master copy's gain at each k, as a series over k."""
+    """The master copy's gain at each k (mean over seeds), as a series over k."""
     for dtype in s.settings.dtypes:
         for k in s.settings.accumulation:
-            run.log(step=k, **{f"{dtype}_master_gain_by_k": _gain(s, sweep, dtype, [k])})
+            run.log(step=k, **{f"{dtype}_master_gain_by_k": gain(s, sweep, dtype, [k]).value})
 
 
 def accumulation_table(s: Setup, sweep: AccumulationSweep) -> str:
-    lines = [f"fp32 reference: held-out loss {sweep.reference.eval_loss:.4f}",
-             f"{'run':<22}{'held-out loss':>14}{'lost updates':>14}{'16-bit stalled':>16}{'diverged at':>13}{'s':>7}"]
-    for key, r in sweep.results.items():
-        lines.append(f"{key:<22}{r.eval_loss:>14.4f}{r.metrics['lost_update_fraction']:>14.4f}"
-                     f"{r.metrics['stalled_fraction']:>16.4f}{str(r.diverged_at):>13}{r.seconds:>7.1f}")
-    for dtype in s.settings.dtypes:
-        lines.append(f"{dtype}: loss gain of the master copy by k: "
-                     + ", ".join(f"k={k}: {_gain(s, sweep, dtype, [k]):+.4f}" for k in s.settings.accumulation))
+    p = s.settings
     m = accumulation_metrics(s, sweep)
-    lines.append(f"graded ({graded_dtype(s.settings.dtypes)}): gain at k >= 4 {m['master_copy_loss_gain']:+.4f}, "
-                 f"at k < 4 {m['master_copy_loss_gain_below_4']:+.4f}; rounding noise {m['master_copy_noise']:.4f}")
+    lines = [f"fp32 reference: held-out loss {m['fp32_reference_eval_loss']:.4f}; means over {p.seeds} paired seeds",
+             f"{'run':<22}{'held-out loss':>14}{'lost updates':>14}{'diverged':>10}"]
+    for dtype in p.dtypes:
+        for master in (False, True):
+            for k in p.accumulation:
+                key = run_name(dtype, master, k)
+                lines.append(f"{key:<22}{m[f'{key}_eval_loss']:>14.4f}"
+                             f"{m.get(f'{key}_lost_update_fraction', math.nan):>14.4f}"
+                             f"{m[f'{key}_diverged']:>7d}/{p.seeds}")
+    for dtype in p.dtypes:
+        lines.append(f"{dtype}: master copy's loss gain by k: "
+                     + "; ".join(f"k={k}: {gain(s, sweep, dtype, [k]).describe(3)}" for k in p.accumulation))
+    est = accumulation_estimates(s, sweep)
+    lines += [f"graded ({graded_dtype(p.dtypes)}): {name} {est[name].describe(3)}"
+              for name in ("master_copy_loss_gain", "master_copy_loss_gain_below_4") if name in est]
     return "\n".join(lines)
 
 
-def scaling_sweep(s: Setup, run: Any = None) -> dict[str, RunResult]:
-    """The three loss-scaling methods from the same fp32 weights on the same batches; losses (every update) and
-    scales (every ``probe_every``-th) logged to ``run``."""
+def scaling_sweep(s: Setup, run: Any = None) -> dict[tuple[str, int], RunResult]:
+    """Per seed, the three loss-scaling methods from that seed's fp32 weights on its batches, keyed ``(method,
+    seed)``; the first seed's losses (every update) and scales (every ``probe_every``-th) logged to ``run``."""
     p, out = s.settings, {}
-    for method in SCALING_METHODS:
-        log = None if run is None else (lambda step, loss, method=method:
-                                        run.log(step=step, **{f"scaling_{method}_loss": loss}))
-        out[method] = loss_scaling_run(s.build("fp32"), s.train[:s.sizes.scaling_steps], s.held_out, method=method,
-                                       lr=p.lr, probe_every=p.probe_every, on_update=log, desc=method)
-        if run is not None:
-            for step, scale in enumerate(out[method].series["scale"]):
-                if step % p.probe_every == 0:
-                    run.log(step=step, **{f"scaling_{method}_scale": scale})
+    for seed in s.seeds:
+        for method in SCALING_METHODS:
+            first = run is not None and seed == s.seeds[0]
+            log = None if not first else (lambda step, loss, method=method:
+                                          run.log(step=step, **{f"scaling_{method}_loss": loss}))
+            out[method, seed] = loss_scaling_run(s.build("fp32", seed), s.train[seed][:s.sizes.scaling_steps],
+                                                 s.held_out, method=method, lr=p.lr, probe_every=p.probe_every,
+                                                 on_update=log, desc=f"{method} seed {seed}")
+            if first:
+                for step, scale in enumerate(out[method, seed].series["scale"]):
+                    if step % p.probe_every == 0:
+                        run.log(step=step, **{f"scaling_{method}_scale": scale})
     return out
 
 
-def scaling_metrics(s: Setup, scaling: Mapping[str, RunResult]) -> dict[str, float]:
+def scale_ratios(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> np.ndarray:
+    """Per seed: GradScaler's held-out loss / the rule's (above 1: the rule ends lower)."""
+    return np.array([charged(s, scaling["gradscaler", seed]) / charged(s, scaling["norm_rule", seed])
+                     for seed in s.seeds])
+
+
+def scaling_estimates(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> dict[str, Estimate]:
+    """``scale_rule_vs_gradscaler``: the per-seed loss ratio (:func:`scale_ratios`), a t interval over seeds."""
+    return {"scale_rule_vs_gradscaler": mean_interval(scale_ratios(s, scaling), unit="x",
+                                                      method="t interval over paired seeds")}
+
+
+def scaling_metrics(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> dict[str, float]:
+    """Per method, means over seeds: held-out loss, overflow steps, underflow, gradient error, final scale."""
     m: dict[str, float] = {}
-    for method, r in scaling.items():
-        x = r.metrics
-        m.update({f"{method}_eval_loss": charged(s, r), f"{method}_overflow_steps": x["overflow_steps"],
-                  f"{method}_underflow_fraction": x["underflow_fraction"],
-                  f"{method}_grad_rel_error": x["grad_rel_error"], f"{method}_final_scale": x["final_scale"]})
-    m["scale_rule_vs_gradscaler"] = charged(s, scaling["gradscaler"]) / charged(s, scaling["norm_rule"])
+    for method in SCALING_METHODS:
+        runs = [scaling[method, seed] for seed in s.seeds]
+        m[f"{method}_eval_loss"] = float(np.mean([charged(s, r) for r in runs]))
+        for name in ("overflow_steps", "underflow_fraction", "grad_rel_error", "final_scale"):
+            m[f"{method}_{name}"] = float(np.mean([r.metrics[name] for r in runs]))
     return m
 
 
-def scaling_table(s: Setup, scaling: Mapping[str, RunResult]) -> str:
-    lines = [f"{'method':<12}{'held-out loss':>14}{'overflow steps':>16}{'underflow':>12}{'grad rel. error':>17}"
+def scaling_table(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> str:
+    m = scaling_metrics(s, scaling)
+    lines = [f"means over {s.settings.seeds} paired seeds",
+             f"{'method':<12}{'held-out loss':>14}{'overflow steps':>16}{'underflow':>12}{'grad rel. error':>17}"
              f"{'scale':>10}"]
-    for method, r in scaling.items():
-        m = r.metrics
-        lines.append(f"{method:<12}{charged(s, r):>14.4f}{m['overflow_steps']:>16d}{m['underflow_fraction']:>12.2e}"
-                     f"{m['grad_rel_error']:>17.2e}{m['final_scale']:>10.4g}")
-    ratio = charged(s, scaling["gradscaler"]) / charged(s, scaling["norm_rule"])
-    lines.append(f"GradScaler loss / rule loss = {ratio:.4f} (> 1: the rule ends lower)")
+    for method in SCALING_METHODS:
+        lines.append(f"{method:<12}{m[f'{method}_eval_loss']:>14.4f}{m[f'{method}_overflow_steps']:>16.1f}"
+                     f"{m[f'{method}_underflow_fraction']:>12.2e}{m[f'{method}_grad_rel_error']:>17.2e}"
+                     f"{m[f'{method}_final_scale']:>10.4g}")
+    ratio = scaling_estimates(s, scaling)["scale_rule_vs_gradscaler"]
+    lines.append(f"GradScaler loss / rule loss = {ratio.describe()} (> 1: the rule ends lower)")
     return "\n".join(lines)
 
 
-def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunResult]) -> Figure:
-    """Final loss and lost updates against k; the loss-scaling runs' losses and scales."""
-    dtypes, accumulation = s.settings.dtypes, s.settings.accumulation
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+def repeated(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], RunResult]) -> dict[str, Repeated]:
+    """The graded estimates' raw per-seed data and builds, for ``claims.regrade_leaving_out``."""
+    high, low = _split_k(s.settings.accumulation)
+    graded = graded_dtype(s.settings.dtypes)
+    out = {"scale_rule_vs_gradscaler": Repeated(mean_interval, (tuple(scale_ratios(s, scaling)),), "seeds",
+                                                {"unit": "x", "method": "t interval over paired seeds"})}
+    for name, ks in (("master_copy_loss_gain", high), ("master_copy_loss_gain_below_4", low)):
+        if ks:
+            out[name] = Repeated(paired_difference, (tuple(_mean_over_k(s, sweep, graded, True, ks)),
+                                                     tuple(_mean_over_k(s, sweep, graded, False, ks))), "seeds",
+                                 {"unit": "nats/byte"})
+    return out
+
+
+def rows(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], RunResult]) -> list[dict[str, Any]]:
+    """One row per run and seed (the raw per-seed data behind the estimates, for a table and for leaving a seed
+    out); a value a diverged run does not have (its held-out loss) is None."""
+    out = [dict(experiment="accumulation", run=key, seed=seed, eval_loss=r.eval_loss, charged_loss=charged(s, r),
+                diverged_at=r.diverged_at, lost_update_fraction=r.metrics["lost_update_fraction"])
+           for (key, seed), r in sweep.results.items()]
+    out += [dict(experiment="reference", run="fp32_k1", seed=seed, eval_loss=r.eval_loss, charged_loss=charged(s, r),
+                 diverged_at=r.diverged_at) for seed, r in sweep.reference.items()]
+    out += [dict(experiment="scaling", run=method, seed=seed, eval_loss=r.eval_loss, charged_loss=charged(s, r),
+                 diverged_at=r.diverged_at, overflow_steps=r.metrics["overflow_steps"],
+                 underflow_fraction=r.metrics["underflow_fraction"]) for (method, seed), r in scaling.items()]
+    return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()} for row in out]
+
+
+def _target(metric: str):
+    from macroarch.repro.claims import get_claim  # the registry's target, drawn as graded
+
+    return get_claim("C8").target_for(metric)
+
+
+def _below(ax: plt.Axes, ncol: int = 1) -> None:
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol)
+
+
+def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], RunResult]) -> Figure:
+    """The graded master-copy gain against k with its intervals and targets (a configuration whose runs diverged
+    is marked at the top, off the scale, not plotted as a gain); held-out loss and lost updates against k
+    (diverged runs marked, not charged); the graded loss ratio with its interval; the loss scale over training."""
+    p, seeds = s.settings, s.seeds
+    accumulation, n = p.accumulation, len(seeds)
+    fig, axes = plt.subplots(1, 5, figsize=(25, 5.4))
+
     ax = axes[0]
-    for dtype in dtypes:
-        for master, style in ((False, "o--"), (True, "s-")):
-            ax.plot(accumulation, [charged(s, sweep.results[run_name(dtype, master, k)]) for k in accumulation],
-                    style, ms=4, label=f"{dtype}, master {'on' if master else 'off'}")
-    ax.axhline(sweep.reference.eval_loss, color="k", lw=0.8, ls=":", label="fp32 reference")
+    finite: list[float] = []
+    off_scale = []
+    for j, dtype in enumerate(p.dtypes):
+        xs, values, lows, highs = [], [], [], []
+        for k in accumulation:
+            if diverged(s, sweep, dtype, False, k) or diverged(s, sweep, dtype, True, k):
+                off_scale.append((dtype, k))
+                continue
+            e = gain(s, sweep, dtype, [k])
+            lo, hi = (e.low, e.high) if e.has_interval else (e.value, e.value)
+            xs.append(k * (1 + 0.06 * j))
+            values.append(e.value)
+            lows.append(e.value - lo)
+            highs.append(hi - e.value)
+            finite += [lo, hi]
+        if xs:
+            ax.errorbar(xs, values, yerr=[lows, highs], fmt="o-", ms=5, capsize=3, color=f"C{j}",
+                        label=f"{dtype}: gain, {n} paired seeds, 90% t interval")
+    low_t, high_t = _target("master_copy_loss_gain_below_4"), _target("master_copy_loss_gain")
+    finite += [high_t.lo, low_t.lo, low_t.hi, 0.0]
+    pad = 0.15 * (max(finite) - min(finite))
+    bottom, top = min(finite) - pad, max(finite) + pad
+    kmax = max(accumulation) * 1.5
+    ax.fill_between([AUTO_MASTER_MIN_ACCUMULATION, kmax], high_t.lo, top, color="C2", alpha=0.1,
+                    label=f"post, k >= 4: gain >= {high_t.lo:g} nats")
+    ax.fill_between([min(accumulation) / 1.5, AUTO_MASTER_MIN_ACCUMULATION], low_t.lo, low_t.hi, color="C2",
+                    alpha=0.2, label=f"post, k < 4: gain within ±{low_t.hi:g} nats")
+    ax.axhline(0, color="0.3", lw=0.6)
     ax.axvline(AUTO_MASTER_MIN_ACCUMULATION, color="grey", lw=0.6)
-    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation,
-           xlabel="accumulation steps (same tokens/update)", ylabel="held-out loss (diverged: loss at init)",
-           title="final loss vs accumulation")
+    for dtype, k in off_scale:
+        ax.plot([k], [top], "^", color=f"C{p.dtypes.index(dtype)}", ms=9, clip_on=False)
+        ax.annotate(f"{dtype}: diverged", (k, top), textcoords="offset points", xytext=(0, -14), ha="center",
+                    fontsize=7, color=f"C{p.dtypes.index(dtype)}")
+    if off_scale:
+        ax.plot([], [], "^", color="0.3", label="runs diverged (marked, off the scale)")
+    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlim=(min(accumulation) / 1.5, kmax),
+           ylim=(bottom, top), xlabel="accumulation steps k (same tokens/update)",
+           ylabel="loss gain of the master copy (nats/byte)", title="graded: no-master minus master loss")
+    _below(ax)
+
     ax = axes[1]
-    for dtype in dtypes:
+    shown: list[float] = []
+    for j, dtype in enumerate(p.dtypes):
         for master, style in ((False, "o--"), (True, "s-")):
-            runs = [sweep.results[run_name(dtype, master, k)] for k in accumulation]
-            values = [np.nan if r.diverged else r.metrics["lost_update_fraction"] for r in runs]  # gap: diverged
-            ax.plot(accumulation, values, style, ms=4, label=f"{dtype}, master {'on' if master else 'off'}")
-    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlabel="accumulation steps",
-           ylabel="fraction of due updates lost", title="updates that rounded to zero")
+            values = [float(np.mean([sweep.results[run_name(dtype, master, k), seed].eval_loss for seed in seeds]))
+                      if not diverged(s, sweep, dtype, master, k) else np.nan for k in accumulation]
+            shown += [v for v in values if math.isfinite(v)]
+            if any(math.isfinite(v) for v in values):  # every run diverged: only the markers below
+                ax.plot(accumulation, values, style, ms=4, color=f"C{j}", alpha=1.0 if master else 0.6,
+                        label=f"{dtype}, master {'on' if master else 'off'}")
+    ref = float(np.mean([sweep.reference[seed].eval_loss for seed in seeds]))
+    ax.axhline(ref, color="k", lw=0.8, ls=":", label="fp32 reference")
+    shown.append(ref)
+    pad = 0.15 * (max(shown) - min(shown) or 0.01)
+    top = max(shown) + pad
+    for j, dtype in enumerate(p.dtypes):
+        for master in (False, True):
+            bad = [k for k in accumulation if diverged(s, sweep, dtype, master, k)]
+            if bad:
+                ax.plot(bad, [top] * len(bad), "x", color=f"C{j}", ms=9, mew=2, clip_on=False,
+                        label=f"{dtype}, master {'on' if master else 'off'}: diverged (marked, not charged)")
+    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, ylim=(min(shown) - pad, top),
+           xlabel="accumulation steps k", ylabel=f"held-out loss (nats/byte), mean of {n} seeds",
+           title="final loss vs accumulation")
+    _below(ax, 2)
+
     ax = axes[2]
-    for method, r in scaling.items():
-        ax.plot(np.convolve(r.losses, np.ones(5) / 5, mode="valid"), lw=0.9, label=method)
-    ax.set(xlabel="update", ylabel="training loss (5-step mean)", title="fp16 autocast: loss")
+    for j, dtype in enumerate(p.dtypes):
+        for master, style in ((False, "o--"), (True, "s-")):
+            values = [np.nan if diverged(s, sweep, dtype, master, k) else float(np.mean(
+                [sweep.results[run_name(dtype, master, k), seed].metrics["lost_update_fraction"] for seed in seeds]))
+                for k in accumulation]
+            if any(math.isfinite(v) for v in values):
+                ax.plot(accumulation, values, style, ms=4, color=f"C{j}", alpha=1.0 if master else 0.6,
+                        label=f"{dtype}, master {'on' if master else 'off'}")
+    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlabel="accumulation steps k",
+           ylabel="fraction of due updates lost", title="updates that rounded to zero (diverged: gap)")
+    _below(ax, 2)
+
     ax = axes[3]
-    for method, r in scaling.items():
+    e, ratios, t = scaling_estimates(s, scaling)["scale_rule_vs_gradscaler"], scale_ratios(s, scaling), \
+        _target("scale_rule_vs_gradscaler")
+    rng = np.random.default_rng(0)
+    ax.scatter(rng.uniform(-0.12, 0.12, n), ratios, s=20, color="C3", alpha=0.5, lw=0, label=f"per seed (n={n})")
+    lo, hi = (e.low, e.high) if e.has_interval else (e.value, e.value)
+    ax.errorbar([0.35], [e.value], yerr=[[e.value - lo], [hi - e.value]], fmt="D", color="k", ms=6, capsize=6,
+                label="mean, 90% t interval" if e.has_interval else "mean (no interval)")
+    span = [*ratios, lo, hi, *t.no_effect]
+    pad = 0.15 * (max(span) - min(span))
+    ax.axhspan(*t.no_effect, color="0.5", alpha=0.15, label=f"no effect: {t.no_effect[0]:g}-{t.no_effect[1]:g}")
+    ax.axhspan(t.lo, max(span) + pad, color="C2", alpha=0.08, label=f"post: >= {t.lo:g} (no worse than GradScaler)")
+    ax.set(xlim=(-0.5, 0.8), ylim=(min(span) - pad, max(span) + pad), xticks=[],
+           ylabel="held-out loss ratio GradScaler / rule (x)", title="graded: scale rule vs GradScaler")
+    _below(ax)
+
+    ax = axes[4]
+    for method in SCALING_METHODS:
+        r = scaling[method, seeds[0]]
         ax.semilogy(r.series["scale"], lw=0.9, label=f"{method}: {r.metrics['overflow_steps']} overflows, "
                     f"underflow {r.metrics['underflow_fraction']:.1e}")
-    ax.set(xlabel="update", ylabel="loss scale", title="scale over training")
-    for ax in axes:
-        ax.legend(fontsize=7)
+    ax.set(xlabel="update", ylabel="loss scale", title=f"fp16 autocast: scale over training (seed {seeds[0]})")
+    _below(ax)
+    for ax in axes[:3]:
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # log axes: only the grid's own tick labels
     fig.tight_layout()
     return fig
 
 
-def verdict_texts(s: Setup, sweep: AccumulationSweep, scaling: Mapping[str, RunResult],
+def verdict_texts(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], RunResult],
                   metrics: Mapping[str, float]) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C8").grade``."""
     p, m = s.settings, metrics
     graded = graded_dtype(p.dtypes)
-    gain_high, gain_low, noise = m["master_copy_loss_gain"], m["master_copy_loss_gain_below_4"], m["master_copy_noise"]
-    if gain_high <= noise:
-        threshold = "the master copy does not measurably help at k >= 4"
-    elif gain_low >= 0.5 * gain_high:
-        threshold = ("the master copy helps about as much below 4 accumulation steps as from 4 on: 4 is not where it "
-                     "starts to matter")
-    else:
-        threshold = "the master copy's benefit appears from 4 accumulation steps on, as the post says"
+    est = {**accumulation_estimates(s, sweep), **scaling_estimates(s, scaling)}
     fp16_note = ""
     if "fp16" in p.dtypes:
-        fp16_note = (f"fp16 without master: {int(m['fp16_nomaster_diverged_runs'])}/{len(p.accumulation)} runs "
-                     f"diverged; fp16 gain at k >= 4 {m['fp16_master_copy_loss_gain_at_4_plus']:+.3f}, "
-                     f"below 4 {m['fp16_master_copy_loss_gain_below_4']:+.3f}")
-    lost = np.mean([sweep.results[run_name(graded, False, k)].metrics["lost_update_fraction"]
-                    for k in p.accumulation])
-    gs, rule = scaling["gradscaler"].metrics, scaling["norm_rule"].metrics
+        runs = len(p.accumulation) * p.seeds
+        fp16_note = (f"fp16 without master: {int(m['fp16_nomaster_diverged_runs'])}/{runs} runs diverged (charged the "
+                     f"untrained loss)")
+    lost = [sweep.results[run_name(graded, False, k), seed].metrics["lost_update_fraction"]
+            for k in p.accumulation for seed in s.seeds]
     scale = (f"{p.n_layers}-layer GPT-2-style decoder, width {p.width} ({s.n_params / 1e6:.3f}M params), "
              f"{s.sizes.steps} AdamW updates of {p.batch_size}x{p.seq_len} bytes at lr {p.lr:g}, "
-             f"accumulation {list(p.accumulation)}, weights in {' and '.join(p.dtypes)}; loss scaling: fp16 "
-             f"autocast, {s.sizes.scaling_steps} updates; {s.sizes.machine}"
+             f"accumulation {list(p.accumulation)}, weights in {' and '.join(p.dtypes)}, {p.seeds} paired seeds; "
+             f"loss scaling: fp16 autocast, {s.sizes.scaling_steps} updates; {s.sizes.machine}"
              + (f" (shrunk from {p.steps} and {p.scaling_steps} updates: emulated_steps)" if s.sizes.shrunk
                 else ""))
-    measured = (f"{graded} master-copy loss gain {gain_high:+.4f} at k >= 4 vs {gain_low:+.4f} at k < 4 "
-                f"(noise {noise:.4f}); lost updates without master {lost:.1%}; GradScaler/rule loss ratio "
-                f"{m['scale_rule_vs_gradscaler']:.4f} (overflows {gs['overflow_steps']} vs {rule['overflow_steps']}, "
-                f"underflow {gs['underflow_fraction']:.1e} vs {rule['underflow_fraction']:.1e})")
-    return {"scale": scale, "measured_text": measured, "note": "; ".join(x for x in (threshold, fp16_note) if x)}
+    parts = [f"{graded} master-copy loss gain {est[name].describe(3)} {where}"
+             for name, where in (("master_copy_loss_gain", "at k >= 4"), ("master_copy_loss_gain_below_4",
+                                                                          "at k < 4")) if name in est]
+    measured = "; ".join(parts + [f"lost updates without master {np.nanmean(lost):.1%}",
+                                  f"GradScaler/rule loss ratio {est['scale_rule_vs_gradscaler'].describe(4)}"])
+    return {"scale": scale, "measured_text": measured, "note": fp16_note}

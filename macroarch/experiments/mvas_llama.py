@@ -1,21 +1,30 @@
 """Notebook 05's experiments: MVAS on Llama (claim C7, post section 3.2) and MVAS + DGR on a ~10B model (C1).
 
-1. **Quality and speed, trained for real** (:func:`small_llama`, :func:`first_plan`, :func:`train_variants`): a
-   small Llama on the byte corpus, the same batches and initial weights for three variants trained in lock step
-   (``experiments.loop.train_round_robin``): the baseline AdamW, MVAS, and MVAS + DGR. The first MVAS plan comes
-   from the Fisher diagonal at initialisation (``mvas.importance_plan`` under a ``weight_bytes`` budget); the
-   MVAS variants are stacked by ``macroarch.compose.apply`` with that plan (store, ``MVASSchedule`` re-planning
-   every ``replan_every`` steps, DGR in sync mode with one group per layer, ``MVASAdamW``). Every variant
-   computes in ``compute_dtype``; the fair baseline follows it: bf16 weights with an fp32 master copy
-   (``MasterWeightAdamW``) under bf16, ``torch.optim.AdamW`` under fp32. MVAS stores its packed formats either
-   way. Then each variant's held-out loss and next-token accuracy (``evaluate_lm``), median step time, and the
-   bytes of its training state over one more step (``measure_step``).
+1. **Quality and speed, trained for real, over paired seeds** (:func:`small_llama`, :func:`first_plan`,
+   :func:`train_variants`, :func:`train_seeds`): a small Llama on the byte corpus; for each seed one initial model
+   and one batch order shared by three variants trained in lock step: the baseline AdamW, MVAS, and MVAS + DGR.
+   Every seed's first MVAS plan comes from the Fisher diagonal of its own initial weights
+   (``mvas.importance_plan`` under a ``weight_bytes`` budget); the MVAS variants are stacked by
+   ``macroarch.compose.apply`` with that plan (store, ``MVASSchedule`` re-planning every ``replan_every`` steps,
+   DGR in sync mode with one group per layer, ``MVASAdamW``). Every variant computes in ``compute_dtype``; the
+   fair baseline follows it: bf16 weights with an fp32 master copy (``MasterWeightAdamW``) under bf16,
+   ``torch.optim.AdamW`` under fp32. MVAS stores its packed formats either way. Each variant's held-out loss and
+   next-token accuracy (``evaluate_lm``) on the same held-out batches for every seed; the quality gaps are taken
+   per seed (``measure.stats.paired_difference``: a t interval over seeds).
+   **Speed** comes from the same steps: the variants take turns in mirrored order (baseline, MVAS + DGR, MVAS on
+   even steps, the reverse on odd ones), so every pair of steps is an ABBA block for any two variants; a block's
+   time is its two steps' (the MVAS schedule's re-planning included), and the ratio is taken per block
+   (``measure.stats.ratio_from_blocks``, a t interval on the log ratios over every seed's blocks). The bytes of
+   each variant's training state over one more step (``measure_step``) come from the first seed.
 2. **Memory at full size** (:func:`measure_memory`): the real architecture (Llama-65B for C7, ~10B for C1) under
    fake tensors, in bf16 whatever the CPU (the dtype the claim is about): the standard mixed-precision baseline
-   against MVAS with the small model's plan carried over by tensor role (``mvas.transfer_plan``), stacked by
-   ``compose.apply`` (with DGR for C1). Measured at full width at a few depths and extrapolated to full depth
-   (bytes are affine in the number of identical layers; three depths check it; optionally the baseline at full
-   depth too). :func:`accountings` lists the byte counts that could give the post's 320 GB.
+   against MVAS with the first seed's plan carried over by tensor role (``mvas.transfer_plan``), stacked by
+   ``compose.apply`` (with DGR for C1). The graded total is the step's **measured peak** (the largest sum of live
+   bytes at one moment), with the categories at that moment beside it (they sum to it), never a sum of each
+   category's own maximum. Measured at full width at a few depths and extrapolated to full depth (each phase's
+   peak and its breakdown are affine in the number of identical layers, and the step's peak is the largest of
+   them; three depths check it; optionally the baseline at full depth too). :func:`accountings` lists the byte counts
+   that could give the post's 320 GB.
 
 Deviation: the post's accuracy is a downstream benchmark of Llama-65B; here it is next-token accuracy of a small
 Llama on bytes, so only the gap between variants is comparable.
@@ -24,7 +33,7 @@ Llama on bytes, so only the gap between variants is comparable.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,32 +41,39 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
 from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, MVASConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.hardware import describe, machine_info, torch_dtype
-from macroarch.experiments.loop import Batch, TrainLog, evaluate_lm, train_round_robin
+from macroarch.experiments.loop import Batch, TrainLog, evaluate_lm, lm_step, train_round_robin
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.memory import (
+    CATEGORIES,
     PRECISIONS,
     STATE_CATEGORIES,
-    extrapolate_by_depth,
+    MemoryReport,
     measure_step,
     measure_training_step,
     parameter_count,
-    training_bytes,
     training_state_bytes,
 )
+from macroarch.measure.stats import Estimate, exact, paired_difference, ratio_from_blocks
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import MasterWeightAdamW
 
 GB = 1e9
 POST_BASELINE_GB, POST_MVAS_GB = 320, 192
-MEMORY_CATEGORIES = (*STATE_CATEGORIES, "activations")
+VARIANTS = ("MVAS", "MVAS + DGR")
+"""The technique variants, beside the baseline (named by the compute dtype: :func:`baseline_name`)."""
 BIG_PRECISION = "bf16_mixed"
 """The full-size measurements' baseline: bf16 weights and gradients, fp32 master and moments (the claim's dtype)."""
+WARMUP_BLOCKS = 2
+"""Timing blocks (pairs of steps) of each seed left out of the speed ratio: allocation, lazy state, first kernels."""
+COLORS = {"parameters": "C0", "gradients": "C1", "optimizer_state": "C2", "master_weights": "C3",
+          "activations": "C7", "temporaries": "C5", "other": "C8"}
 
 
 def baseline_name(compute_dtype: str) -> str:
@@ -85,13 +101,15 @@ class MVASLlamaSettings(Settings):
     batch_size: int
     """Rows per step."""
     steps: int
-    """Training steps of every variant."""
+    """Training steps of every variant and seed."""
+    seeds: int
+    """Paired seeds ``seed, seed + 1, ...``: each gives all three variants one initialisation and batch order."""
     importance_batches: int
     """Batches of the Fisher diagonal at initialisation, for the first plan (at most ``steps``)."""
     replan_every: int
     """MVASSchedule: re-plan every K steps (the first after K)."""
     n_eval_batches: int
-    """Held-out batches of the eval loss and next-token accuracy."""
+    """Held-out batches of the eval loss and next-token accuracy (the same for every seed)."""
     compute_dtype: str
     """float32 | bfloat16 | float16 (``auto`` resolved by ``resolve_parameters``): the small Llama computes in it."""
     device: str
@@ -103,7 +121,7 @@ class MVASLlamaSettings(Settings):
     big_seq_len: int
     """Tokens per row of the full-size step."""
     seed: int = 0
-    """Initial weights, batch order, MVASAdamW's stochastic rounding."""
+    """The first seed (initial weights, batch order, MVASAdamW's stochastic rounding)."""
     corpus: str = "stdlib"
     """data/text/<corpus>."""
     lr: float = 2e-3
@@ -114,13 +132,14 @@ class MVASLlamaSettings(Settings):
     """Torch threads."""
     big_batch: int = 1
     """Rows of the measured full-size step."""
-    depths: tuple[int, ...] = (1, 2, 3)
-    """Full-width depths measured; bytes extrapolated (affine in depth) to full depth. At least two."""
+    depths: tuple[int, ...] = (2, 3, 4)
+    """Full-width depths measured; peaks extrapolated (affine in depth) to full depth. At least two; from 2 layers
+    on each phase's peak falls at the same point of the step (at 1 it does not: the check refuses it)."""
     check_full_depth: bool = True
     """Also measure the baseline at full depth: the extrapolation must match it."""
 
     def __post_init__(self) -> None:
-        self._positive("layers", "width", "heads", "seq_len", "batch_size", "steps", "importance_batches",
+        self._positive("layers", "width", "heads", "seq_len", "batch_size", "steps", "seeds", "importance_batches",
                        "replan_every", "n_eval_batches", "big_seq_len", "lr", "weight_bytes", "threads", "big_batch")
         self._one_of("compute_dtype", COMPUTE_DTYPES)
         self._device()
@@ -128,20 +147,28 @@ class MVASLlamaSettings(Settings):
             self._fail("heads", f"a divisor of width {self.width}")
         if self.importance_batches > self.steps:
             self._fail("importance_batches", f"at most steps ({self.steps}): the plan reads the training batches")
+        if self.steps < 2 * (WARMUP_BLOCKS + 1):
+            self._fail("steps", f"at least {2 * (WARMUP_BLOCKS + 1)}: pairs of steps are the timing blocks, and "
+                                f"the first {WARMUP_BLOCKS} are warm-up")
         if len(set(self.depths)) < 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
                                             for d in self.depths):
             self._fail("depths", "two or more distinct positive layer counts")
+
+    @property
+    def seed_list(self) -> tuple[int, ...]:
+        return tuple(range(self.seed, self.seed + self.seeds))
 
 
 # ------------------------------------------------------------------------------------------ the small Llama
 @dataclass
 class SmallLlama:
-    """The small Llama's initial weights (in the compute dtype) and the batches every variant shares."""
+    """One seed's initial weights (in the compute dtype) and the batches every variant shares."""
 
     settings: MVASLlamaSettings
     initial: torch.nn.Module
     train: list[Batch]
     held_out: list[Batch]
+    seed: int = 0
 
     @property
     def n_params(self) -> int:
@@ -154,28 +181,31 @@ class SmallLlama:
     def describe(self) -> str:
         s = self.settings
         return (f"small Llama: {s.layers} layers x {s.width}, {self.n_params / 1e6:.2f}M parameters, "
-                f"{s.compute_dtype} compute; {s.steps} steps of {s.batch_size}x{s.seq_len} bytes; eval on "
-                f"{sum(len(b[0]) for b in self.held_out)} held-out windows\n"
+                f"{s.compute_dtype} compute; {s.steps} steps of {s.batch_size}x{s.seq_len} bytes per seed, "
+                f"{s.seeds} paired seeds ({s.seed}..{s.seed + s.seeds - 1}); eval on "
+                f"{sum(len(b[0]) for b in self.held_out)} held-out windows (the same for every seed)\n"
                 f"{describe(machine_info(s.device), s.compute_dtype)}")
 
 
-def small_llama(settings: MVASLlamaSettings) -> SmallLlama:
-    """Threads, corpus, the seeded initial model (cast to ``compute_dtype``) and the batches, on ``device``."""
+def small_llama(settings: MVASLlamaSettings, seed: int | None = None) -> SmallLlama:
+    """Threads, corpus, the initial model of ``seed`` (default ``settings.seed``; cast to ``compute_dtype``), its
+    training batches (order from ``seed``) and the held-out batches (the same for every seed), on ``device``."""
     s = settings
+    seed = s.seed if seed is None else seed
     torch.set_num_threads(s.threads)
     text = load_corpus(ensure_corpus(s.corpus))
     spec = get_model_spec("llama_65b_tiny").scaled(n_layers=s.layers, d_model=s.width, n_heads=s.heads,
                                                     n_kv_heads=s.heads, d_ff=int(8 * s.width / 3) // 32 * 32,
                                                     max_seq_len=s.seq_len)
-    torch.manual_seed(s.seed)
+    torch.manual_seed(seed)
     initial = spec.build().to(device=s.device, dtype=torch_dtype(s.compute_dtype))
 
     def to_device(batches):
         return [tuple(t.to(s.device) for t in b) for b in batches]
 
-    train = to_device(lm_batches(text.train, s.batch_size, s.seq_len, seed=s.seed, steps=s.steps))
+    train = to_device(lm_batches(text.train, s.batch_size, s.seq_len, seed=seed, steps=s.steps))
     held_out = to_device(eval_batches(text.val, s.batch_size, s.seq_len, max_batches=s.n_eval_batches))
-    return SmallLlama(s, initial, train, held_out)
+    return SmallLlama(s, initial, train, held_out, seed)
 
 
 def first_plan(small: SmallLlama) -> mvas.PrecisionPlan:
@@ -195,43 +225,134 @@ def mvas_config(settings: MVASLlamaSettings, dgr: bool) -> MacroConfig:
                        dgr=DGRConfig(group_size=1 if dgr else None))
 
 
+# ------------------------------------------------------------------------------------------ training, per seed
+@dataclass
+class SeedRun:
+    """One seed's three variants after training: their stacks, loss and step-time logs, and held-out results."""
+
+    seed: int
+    stacks: dict[str, compose.Stack]
+    logs: dict[str, TrainLog]
+    results: dict[str, dict[str, float]]
+    """Per variant: ``eval_loss`` (nats/byte) and ``accuracy`` (next-token, a fraction) on the held-out batches."""
+
+    def blocks(self, variant: str) -> np.ndarray:
+        """Seconds of each timing block (two consecutive steps: one in each order), warm-up blocks left out."""
+        t = np.asarray(self.logs[variant].seconds, dtype=float)
+        pairs = t[:len(t) // 2 * 2].reshape(-1, 2).sum(axis=1)
+        return pairs[WARMUP_BLOCKS:]
+
+
 @dataclass
 class Training:
-    """The three variants after training: their stacks, loss logs, and measured results."""
+    """Every seed's run of the three variants, the first seed's training-state bytes, and the graded estimates."""
 
     baseline: str
     n_params: int
     steps: int
-    stacks: dict[str, compose.Stack]
-    logs: dict[str, TrainLog]
-    results: dict[str, dict[str, float]] = field(default_factory=dict)
+    runs: list[SeedRun] = field(default_factory=list)
+    state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The first seed's, per variant: bytes of each state category over one more step (each category's maximum)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.baseline, *VARIANTS)
+
+    @property
+    def seeds(self) -> list[int]:
+        return [r.seed for r in self.runs]
+
+    def per_seed(self, variant: str, key: str) -> np.ndarray:
+        """``results[variant][key]`` of every seed, in seed order."""
+        return np.array([r.results[variant][key] for r in self.runs])
+
+    def block_times(self, variant: str) -> np.ndarray:
+        """Every seed's timing blocks of ``variant``, seed after seed (:meth:`SeedRun.blocks`)."""
+        return np.concatenate([r.blocks(variant) for r in self.runs])
+
+    def accuracy_gap(self, variant: str) -> Estimate:
+        """Next-token accuracy lost (baseline - ``variant``, a fraction), taken per seed: paired t over seeds."""
+        return paired_difference(self.per_seed(variant, "accuracy"), self.per_seed(self.baseline, "accuracy"))
+
+    def eval_loss_gap(self, variant: str) -> Estimate:
+        """Held-out loss gained (``variant`` - baseline, nats/byte), taken per seed: paired t over seeds."""
+        return paired_difference(self.per_seed(self.baseline, "eval_loss"), self.per_seed(variant, "eval_loss"),
+                                 unit="nats/byte")
+
+    def speed_ratio(self, variant: str) -> Estimate:
+        """Baseline seconds / ``variant`` seconds per timing block (above 1: the variant is faster), over every
+        seed's blocks: geometric mean, t interval on the log ratios."""
+        return ratio_from_blocks(self.block_times(self.baseline), self.block_times(variant))
+
+    def estimates(self) -> dict[str, Estimate]:
+        """C7's graded ``accuracy_gap`` and ``speed_ratio`` (MVAS), its ``eval_loss_gap``, and the same three of
+        MVAS + DGR (``mvas_dgr_*``; C1's quality gap is ``mvas_dgr_accuracy_gap``)."""
+        out = {}
+        for name, prefix in (("MVAS", ""), ("MVAS + DGR", "mvas_dgr_")):
+            out |= {f"{prefix}accuracy_gap": self.accuracy_gap(name), f"{prefix}speed_ratio": self.speed_ratio(name),
+                    f"{prefix}eval_loss_gap": self.eval_loss_gap(name)}
+        return out
 
     @property
     def metrics(self) -> dict[str, float]:
-        base, mv, md = self.results[self.baseline], self.results["MVAS"], self.results["MVAS + DGR"]
-        return dict(speed_ratio=base["step_s"] / mv["step_s"], accuracy_gap=base["accuracy"] - mv["accuracy"],
-                    baseline_accuracy=base["accuracy"], mvas_accuracy=mv["accuracy"],
-                    baseline_eval_loss=base["eval_loss"], mvas_eval_loss=mv["eval_loss"],
-                    mvas_dgr_eval_loss=md["eval_loss"], mvas_dgr_accuracy=md["accuracy"],
-                    mvas_dgr_speed_ratio=base["step_s"] / md["step_s"],
-                    small_state_reduction=1 - mv["state_bytes"] / base["state_bytes"],
-                    small_dgr_state_reduction=1 - md["state_bytes"] / base["state_bytes"],
-                    replan_moves=len(self.stacks["MVAS"].schedule.history))
+        """Plain numbers beside the estimates: means over seeds, the first seed's state reductions, tier moves."""
+        out: dict[str, float] = dict(seeds=len(self.runs), timing_blocks=len(self.block_times(self.baseline)))
+        for name, key in zip(self.names, ("baseline", "mvas", "mvas_dgr")):
+            out |= {f"{key}_accuracy": float(self.per_seed(name, "accuracy").mean()),
+                    f"{key}_eval_loss": float(self.per_seed(name, "eval_loss").mean()),
+                    f"{key}_step_s": float(np.median(self.block_times(name)) / 2)}
+        if self.state_bytes:
+            base = sum(self.state_bytes[self.baseline].values())
+            out |= dict(small_state_reduction=1 - sum(self.state_bytes["MVAS"].values()) / base,
+                        small_dgr_state_reduction=1 - sum(self.state_bytes["MVAS + DGR"].values()) / base)
+        out["replan_moves"] = float(np.mean([len(r.stacks["MVAS"].schedule.history) for r in self.runs]))
+        return out
+
+    def seed_rows(self) -> list[dict[str, float]]:
+        """One row per seed and variant: the raw pairs behind the quality gaps (for leaving a seed out)."""
+        return [dict(seed=r.seed, variant=name, accuracy=r.results[name]["accuracy"],
+                     eval_loss=r.results[name]["eval_loss"],
+                     tier_moves=len(r.stacks[name].schedule.history) if r.stacks[name].schedule else 0)
+                for r in self.runs for name in self.names]
+
+    def block_rows(self) -> list[dict[str, float]]:
+        """One row per timing block: its seed and each variant's seconds (the raw blocks behind the speed ratios)."""
+        rows = []
+        for r in self.runs:
+            times = {name: r.blocks(name) for name in self.names}
+            rows += [dict(seed=r.seed, block=WARMUP_BLOCKS + j, **{name: float(times[name][j]) for name in self.names})
+                     for j in range(len(times[self.baseline]))]
+        return rows
 
     def text(self) -> str:
-        base = self.results[self.baseline]
-        lines = [f"{'variant':<26}{'eval loss':>10}{'next-token acc':>16}{'step ms':>9}{'speed':>7}"
-                 f"{'state B/param':>15}"]
-        for name, r in self.results.items():
-            lines.append(f"{name:<26}{r['eval_loss']:>10.4f}{r['accuracy']:>16.2%}{r['step_s'] * 1e3:>9.1f}"
-                         f"{base['step_s'] / r['step_s']:>6.2f}x{r['state_bytes'] / self.n_params:>15.2f}")
-        for name in ("MVAS", "MVAS + DGR"):
-            changes = self.stacks[name].schedule.history
-            lines.append(f"{name}: {len(changes)} tier moves in {self.steps} steps"
+        est, m = self.estimates(), self.metrics
+        lines = [f"{len(self.runs)} paired seeds x {self.steps} steps; means over seeds, speed over "
+                 f"{m['timing_blocks']} ABBA blocks",
+                 f"{'variant':<26}{'eval loss':>10}{'next-token acc':>16}{'step ms':>9}{'state B/param':>15}"]
+        for name, key in zip(self.names, ("baseline", "mvas", "mvas_dgr")):
+            state = sum(self.state_bytes[name].values()) / self.n_params if self.state_bytes else float("nan")
+            lines.append(f"{name:<26}{m[f'{key}_eval_loss']:>10.4f}{m[f'{key}_accuracy']:>16.2%}"
+                         f"{m[f'{key}_step_s'] * 1e3:>9.1f}{state:>15.2f}")
+        for name, prefix in (("MVAS", ""), ("MVAS + DGR", "mvas_dgr_")):
+            lines.append(f"{name}: accuracy gap (baseline - it) {_points(est[prefix + 'accuracy_gap'])}; speed "
+                         f"{est[prefix + 'speed_ratio'].describe(3)}; eval loss gap "
+                         f"{est[prefix + 'eval_loss_gap'].describe(3)}")
+        first = self.runs[0]
+        for name in VARIANTS:
+            changes = first.stacks[name].schedule.history
+            lines.append(f"{name} (seed {first.seed}): {len(changes)} tier moves in {self.steps} steps"
                          + (f", e.g. step {changes[0].step}: {changes[0].name} {changes[0].old} -> {changes[0].new}"
                             if changes else ""))
-            lines.append(self.stacks[name].store.plan.describe().splitlines()[-1])
+            lines.append(first.stacks[name].store.plan.describe().splitlines()[-1])
         return "\n".join(lines)
+
+
+def _points(e: Estimate) -> str:
+    """An accuracy gap in percentage points, with its interval."""
+    if not e.has_interval:
+        return f"{e.value * 100:+.2f} points ({e.method}, n={e.n}: no interval)"
+    return (f"{e.value * 100:+.2f} [{e.low * 100:+.2f}, {e.high * 100:+.2f}] points ({e.confidence:.0%} {e.method}, "
+            f"n={e.n})")
 
 
 def _baseline_stack(small: SmallLlama) -> compose.Stack:
@@ -242,70 +363,216 @@ def _baseline_stack(small: SmallLlama) -> compose.Stack:
     return compose.Stack(model, model, MasterWeightAdamW(model.parameters(), lr=lr, weight_decay=0.0))
 
 
-def train_variants(small: SmallLlama, plan: mvas.PrecisionPlan, run: Any = None) -> Training:
-    """Baseline, MVAS and MVAS + DGR from the same weights, trained in lock step on the same batches (progress
-    bar); the MVAS schedules log their tier moves to ``run`` and every loss is logged per step. Then each
-    variant's held-out loss and accuracy, median step time (warm-up of 5 steps left out) and state bytes."""
+def _train_mirrored(stacks: Mapping[str, compose.Stack], batches: Sequence[Batch], desc: str) -> dict[str, TrainLog]:
+    """One step of each stack in turn on every batch (``train_round_robin``), in ``stacks`` order on even steps and
+    reversed on odd ones, so each pair of steps is an ABBA block for any two stacks; each step's time includes the
+    stack's ``after_step`` (the MVAS schedule and its re-planning are part of what MVAS costs)."""
+    after = {id(s.model): s.after_step for s in stacks.values()}
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> float:
+        loss = lm_step(model, optimizer, batch)
+        after[id(model)]()
+        return loss
+
+    names = list(stacks)
+    logs = {name: TrainLog() for name in names}
+    for i, batch in enumerate(tqdm(batches, desc=desc, mininterval=10)):
+        order = names if i % 2 == 0 else names[::-1]
+        one = train_round_robin({n: (stacks[n].model, stacks[n].optimizer) for n in order}, [batch], step=step)
+        for name in names:
+            logs[name].losses += one[name].losses
+            logs[name].seconds += one[name].seconds
+    return logs
+
+
+def train_variants(small: SmallLlama, plan: mvas.PrecisionPlan, run: Any = None) -> SeedRun:
+    """Baseline, MVAS and MVAS + DGR of one seed from the same weights, trained in mirrored lock step on the same
+    batches (:func:`_train_mirrored`; a progress bar); the MVAS schedules log their tier moves to ``run`` and
+    every loss is logged per step. Then each variant's held-out loss and accuracy."""
     s, example = small.settings, dict(input_ids=small.train[0][0], labels=small.train[0][1])
     stacks = {small.baseline: _baseline_stack(small)}
-    for name, dgr in (("MVAS", False), ("MVAS + DGR", True)):
+    for name, dgr in (("MVAS + DGR", True), ("MVAS", False)):  # baseline and MVAS (C7's pair) at the ends
         stacks[name] = compose.apply(copy.deepcopy(small.initial), mvas_config(s, dgr), plan=plan,
-                                     example_inputs=example if dgr else None, seed=s.seed, run=run)
-    logs = train_round_robin({n: (s.model, s.optimizer) for n, s in stacks.items()}, small.train,
-                             after_step={n: (lambda step, loss, s=s: s.after_step()) for n, s in stacks.items()
-                                         if s.schedule is not None},
-                             desc="training (one step of each in turn)", mininterval=10)
+                                     example_inputs=example if dgr else None, seed=small.seed, run=run)
+    logs = _train_mirrored(stacks, small.train, f"seed {small.seed}: the three variants in turn, mirrored")
     if run is not None:
         for name, log in logs.items():
+            key = name.replace(" ", "_").replace("+", "and")
             for step, loss in enumerate(log.losses):
-                run.log(step=step, **{f"{name.replace(' ', '_').replace('+', 'and')}_loss": loss})
-    training = Training(small.baseline, small.n_params, s.steps, stacks, logs)
-    for name, stack in stacks.items():
-        ev = evaluate_lm(stack.module, small.held_out)
+                run.log(step=step, **{f"seed{small.seed}_{key}_loss": loss})
+    names = (small.baseline, *VARIANTS)
+    results = {}
+    for name in names:
+        ev = evaluate_lm(stacks[name].module, small.held_out)
+        results[name] = dict(eval_loss=ev.loss, accuracy=ev.accuracy)
+    return SeedRun(small.seed, {n: stacks[n] for n in names}, {n: logs[n] for n in names}, results)
 
-        def one_step(stack: compose.Stack = stack) -> None:
-            lm_loss(stack.model, small.train[0]).backward()
-            stack.optimizer.step()
-            stack.optimizer.zero_grad(set_to_none=True)
 
-        mem = measure_step(one_step, stack.module, stack.optimizer, *small.train[0])
-        state = {k: mem.max_by_category[k] for k in STATE_CATEGORIES}
-        training.results[name] = dict(eval_loss=ev.loss, accuracy=ev.accuracy, step_s=logs[name].step_time(skip=5),
-                                      state_bytes=sum(state.values()), **{f"{k}_bytes": v for k, v in state.items()})
+def state_bytes(small: SmallLlama, stack: compose.Stack) -> dict[str, int]:
+    """Each training-state category's maximum over one more step of ``stack`` (``measure_step``)."""
+    def one_step() -> None:
+        lm_loss(stack.model, small.train[0]).backward()
+        stack.optimizer.step()
+        stack.optimizer.zero_grad(set_to_none=True)
+
+    mem = measure_step(one_step, stack.module, stack.optimizer, *small.train[0])
+    return {k: mem.max_by_category[k] for k in STATE_CATEGORIES}
+
+
+def train_seeds(small: SmallLlama, plan: mvas.PrecisionPlan, run: Any = None, *,
+                build: Callable[[int], SmallLlama] | None = None) -> Training:
+    """:func:`train_variants` for every seed of ``small.settings`` (``small`` and ``plan`` are the first seed's;
+    each further seed gets its own model and batches from ``build(seed)``, default :func:`small_llama`, and its own
+    :func:`first_plan`), and the first seed's training-state bytes per variant."""
+    s = small.settings
+    build = build or (lambda seed: small_llama(s, seed))
+    training = Training(small.baseline, small.n_params, s.steps)
+    for seed in s.seed_list:
+        seed_small = small if seed == small.seed else build(seed)
+        seed_plan = plan if seed == small.seed else first_plan(seed_small)
+        training.runs.append(train_variants(seed_small, seed_plan, run))
+        if seed == small.seed:
+            training.state_bytes = {n: state_bytes(small, st) for n, st in training.runs[-1].stacks.items()}
     return training
 
 
+# ------------------------------------------------------------------------------------------ figures of the small runs
+def _target(claim: str, metric: str) -> Any:
+    from macroarch.repro.claims import get_claim  # the registry's target, drawn as graded
+
+    return next(t for t in get_claim(claim).targets if t.metric == metric)
+
+
+def plot_estimate(ax: plt.Axes, samples: Sequence[float], est: Estimate, *, scale: float, color: str,
+                    label: str, boundary: float, good_side: int, boundary_text: str, ylabel: str,
+                    reference: float | None = None) -> None:
+    """One graded estimate on ``ax``: its repetitions' values (dots, jittered; times ``scale``, as the axis is
+    labelled), the estimate with its interval (a diamond with caps), the target's ``boundary`` (dashed) with the
+    side that grades reproduced shaded (``good_side`` +1: above it, -1: below), and an optional ``reference``
+    line (no effect). Notebook 11 draws its recall gap with it too."""
+    rng = np.random.default_rng(0)
+    y = np.asarray(samples, dtype=float) * scale
+    ax.scatter(rng.uniform(-0.12, 0.12, len(y)), y, s=10 if len(y) > 20 else 22, color=color, alpha=0.45,
+               lw=0, label=f"{label} (n={len(y)})")
+    lo, hi = (est.low, est.high) if est.has_interval else (est.value, est.value)
+    ax.errorbar([0.35], [est.value * scale], yerr=[[(est.value - lo) * scale], [(hi - est.value) * scale]],
+                fmt="D", color="k", ms=6, capsize=6, lw=1.5,
+                label=f"estimate, {est.confidence:.0%} interval" if est.has_interval else "estimate (no interval)")
+    span = [*y, lo * scale, hi * scale, boundary * scale] + ([reference * scale] if reference is not None else [])
+    pad = 0.15 * (max(span) - min(span) or 1.0)
+    bottom, top = min(span) - pad, max(span) + pad
+    ax.axhline(boundary * scale, color="C2", ls="--", lw=1.2, label=boundary_text)
+    ax.axhspan(*((boundary * scale, top) if good_side > 0 else (bottom, boundary * scale)), color="C2", alpha=0.08,
+               label="graded side: reproduced")
+    if reference is not None:
+        ax.axhline(reference * scale, color="0.4", lw=0.8, ls=":", label="no effect")
+    ax.set(xlim=(-0.5, 0.8), ylim=(bottom, top), xticks=[], ylabel=ylabel)
+
+
 def plot_training(training: Training) -> Figure:
-    """Training loss (10-step mean) of the variants; their training state in bytes per parameter."""
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-    for name, log in training.logs.items():
-        axes[0].plot(np.convolve(log.losses, np.ones(10) / 10, mode="valid"), lw=1, label=name,
-                     ls="--" if "DGR" in name else "-")
-    axes[0].set(title="training loss (10-step mean)", xlabel="step", ylabel="loss (nats/byte)")
-    axes[0].legend()
-    names = list(training.results)
+    """Training loss (10-step mean, mean over seeds) of the variants; their training state in bytes per parameter
+    (the first seed's). Legends below the axes."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    for name in training.names:
+        losses = np.mean([r.logs[name].losses for r in training.runs], axis=0)
+        window = min(10, len(losses))
+        axes[0].plot(np.arange(window, len(losses) + 1), np.convolve(losses, np.ones(window) / window, "valid"),
+                     lw=1, label=name, ls="--" if "DGR" in name else "-")
+    axes[0].set(title=f"training loss ({len(training.runs)} seeds' mean, 10-step mean)", xlabel="step",
+                ylabel="loss (nats/byte)")
+    axes[0].legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8, frameon=False)
+    names = list(training.names)
     bottom = np.zeros(len(names))
-    for k, color in zip(STATE_CATEGORIES, ("C0", "C1", "C2", "C3")):
-        vals = np.array([training.results[n][f"{k}_bytes"] / training.n_params for n in names])
-        axes[1].bar(names, vals, bottom=bottom, color=color, label=k.replace("_", " "))
+    for k in STATE_CATEGORIES:
+        vals = np.array([training.state_bytes[n][k] / training.n_params for n in names])
+        axes[1].bar(names, vals, bottom=bottom, color=COLORS[k], label=k.replace("_", " "))
         bottom += vals
-    axes[1].set(title=f"training state, measured (small Llama, {training.n_params / 1e6:.1f}M params)",
+    axes[1].set(title=f"training state, measured (seed {training.seeds[0]}, {training.n_params / 1e6:.1f}M params)",
                 ylabel="bytes per parameter")
-    axes[1].legend(fontsize=8)
+    axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def _accuracy_panel(ax: plt.Axes, training: Training, variant: str, claim: str, metric: str) -> None:
+    t = _target(claim, metric)
+    gaps = training.per_seed(training.baseline, "accuracy") - training.per_seed(variant, "accuracy")
+    plot_estimate(ax, gaps, training.accuracy_gap(variant), scale=100, color="C3" if "DGR" in variant else "C1",
+                    label="seeds", boundary=t.hi, good_side=-1, reference=0.0,
+                    boundary_text=f"post's margin: {t.hi * 100:g} points", ylabel="accuracy gap (percentage points)")
+    ax.set_title(f"{claim}: next-token accuracy, {training.baseline} - {variant}\nper paired seed (graded: "
+                 f"{metric})", fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=2, fontsize=7, frameon=False)
+
+
+def plot_c7_quality_speed(training: Training) -> Figure:
+    """C7's graded quality and speed: the accuracy gap per paired seed with its interval against the post's 0.3
+    points; the speed ratio per ABBA block with its interval against the post's 0.92x (and its 2% tolerance)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    _accuracy_panel(axes[0], training, "MVAS", "C7", "accuracy_gap")
+    t = _target("C7", "speed_ratio")
+    ratios = training.block_times(training.baseline) / training.block_times("MVAS")
+    plot_estimate(axes[1], ratios, training.speed_ratio("MVAS"), scale=1.0, color="C0", label="ABBA blocks",
+                    boundary=t.lo, good_side=1, reference=1.0,
+                    boundary_text=f"post's 0.92x, less 2%: {t.lo:.3f}x", ylabel="speed ratio (x): baseline s / MVAS s")
+    axes[1].axhline(0.92, color="C2", lw=0.8, alpha=0.6)
+    axes[1].set_title(f"C7: speed, {training.baseline} time / MVAS time per block\n(above 1: MVAS faster; graded: "
+                      "speed_ratio)", fontsize=9)
+    axes[1].legend(loc="upper center", bbox_to_anchor=(0.5, -0.04), ncol=2, fontsize=7, frameon=False)
     fig.tight_layout()
     return fig
 
 
 # ------------------------------------------------------------------------------------------ full-size memory
+def _affine(values: Mapping[int, Mapping[str, int]], n_layers: int, what: str) -> dict[str, int]:
+    """Each key of ``values`` (by depth) extrapolated to ``n_layers``, affine in depth; a third depth must agree."""
+    depths = sorted(values)
+    (l1, l2), out = depths[:2], {}
+    for key in values[l1]:
+        slope = (values[l2][key] - values[l1][key]) / (l2 - l1)
+        for d in depths[2:]:
+            predicted = values[l1][key] + (d - l1) * slope
+            if abs(predicted - values[d][key]) > 1e-6 * max(1, values[d][key]):
+                raise ValueError(f"{what}: {key} is not affine in depth (predicted {predicted:.0f} at {d} layers, "
+                                 f"measured {values[d][key]}): measure at larger depths")
+        out[key] = round(values[l1][key] + (n_layers - l1) * slope)
+    return out
+
+
+def peak_by_depth(reports: Mapping[int, MemoryReport], n_layers: int) -> tuple[int, dict[str, int]]:
+    """The measured peak of an ``n_layers`` model and the categories at that peak, from measurements of the same
+    model at smaller depths (``reports`` by depth).
+
+    The step's peak is the largest of its phases' peaks (setup, forward, backward, optimizer), and at small depths
+    it can fall in another phase than at full depth. Each phase's peak and its breakdown are affine in the number of
+    identical layers (embeddings and head are the constant term), so two depths fix them and a third must agree
+    to the byte (ValueError naming the phase and category otherwise); the full-depth peak is the largest
+    extrapolated phase peak, with that phase's breakdown.
+    """
+    depths = sorted(reports)
+    if len(depths) < 2:
+        raise ValueError(f"peak_by_depth needs reports at two or more depths; got {depths}")
+    phases = {}
+    for phase in reports[depths[0]].phases:
+        values = {d: {"peak": reports[d].phases[phase].peak_bytes, **reports[d].phases[phase].by_category}
+                  for d in depths}
+        phases[phase] = _affine(values, n_layers, f"the {phase} phase's peak")
+    top = max(phases.values(), key=lambda v: v["peak"])
+    return top["peak"], {k: v for k, v in top.items() if k != "peak"}
+
+
 @dataclass
 class BigMemory:
-    """Bytes by category of one training step of a full-size model: the baseline and the MVAS stack."""
+    """One training step of a full-size model, baseline against the MVAS stack: each one's measured peak (live
+    bytes at the step's fullest moment) and the categories at that moment (they sum to it)."""
 
     model: str
     n_params: int
     n_layers: int
     batch: int
     seq_len: int
+    baseline_peak: int
+    mvas_peak: int
     baseline: dict[str, int]
     mvas: dict[str, int]
     dgr: bool
@@ -313,21 +580,22 @@ class BigMemory:
 
     @property
     def reduction(self) -> float:
-        return 1 - sum(self.mvas.values()) / sum(self.baseline.values())
+        """1 - MVAS peak / baseline peak: an exact byte ratio."""
+        return 1 - self.mvas_peak / self.baseline_peak
 
     @property
     def variant(self) -> str:
         return "MVAS + DGR" if self.dgr else "MVAS"
 
     def text(self) -> str:
-        lines = [f"baseline measured at full depth ({self.n_layers} layers) = extrapolated, to the byte"
-                 ] if self.full_depth_checked else []
-        lines.append(f"{self.model}: {self.n_params / 1e9:.2f}B parameters; activations of a {self.batch}x"
-                     f"{self.seq_len} step: {self.baseline['activations'] / GB:.1f} GB")
+        lines = [f"baseline measured at full depth ({self.n_layers} layers) = extrapolated, peak and breakdown, to "
+                 f"the byte"] if self.full_depth_checked else []
+        lines.append(f"{self.model}: {self.n_params / 1e9:.2f}B parameters; one {self.batch}x{self.seq_len} step, "
+                     f"fake tensors; GB at each one's measured peak, by category (they sum to it)")
         lines.append(f"{'category':<18}{'baseline GB':>12}{self.variant + ' GB':>14}")
-        for k in self.baseline:
+        for k in CATEGORIES:
             lines.append(f"{k:<18}{self.baseline[k] / GB:>12.2f}{self.mvas[k] / GB:>14.2f}")
-        lines.append(f"{'total':<18}{sum(self.baseline.values()) / GB:>12.2f}{sum(self.mvas.values()) / GB:>14.2f}"
+        lines.append(f"{'peak (graded)':<18}{self.baseline_peak / GB:>12.2f}{self.mvas_peak / GB:>14.2f}"
                      f"  ({-self.reduction:+.1%})")
         return "\n".join(lines)
 
@@ -352,27 +620,29 @@ def mvas_prepare(plan: mvas.PrecisionPlan, dgr: bool, seed: int) -> Callable[[to
 
 def measure_memory(settings: MVASLlamaSettings, plan: mvas.PrecisionPlan, model: str, *, dgr: bool = False,
                    check_full_depth: bool = False) -> BigMemory:
-    """Baseline (``bf16_mixed``) and MVAS (+ DGR) bytes of one ``big_batch x big_seq_len`` step of ``model``,
-    fake tensors, extrapolated from ``depths``; ``check_full_depth``: the baseline measured at full depth too
-    (AssertionError if the extrapolation misses it by a byte)."""
+    """Baseline (``bf16_mixed``) and MVAS (+ DGR) peaks of one ``big_batch x big_seq_len`` step of ``model``, fake
+    tensors, extrapolated from ``depths`` (:func:`peak_by_depth`); ``check_full_depth``: the baseline measured at
+    full depth too (AssertionError if the extrapolation misses its peak or breakdown by a byte). With DGR the
+    depths are shifted up so that the smallest is 2: with one layer there is one group, nothing is freed before
+    the optimizer's turn, and the peak falls elsewhere in the step."""
     s = settings
     spec = get_model_spec(model)
     n_layers = spec.shape.n_layers
 
-    def measure(prepare=None, constant=()):
+    def measure(prepare=None, depths=s.depths):
         reports = {d: measure_training_step(spec.scaled(n_layers=d), s.big_batch, s.big_seq_len, BIG_PRECISION,
-                                            fake=True, device="cpu", prepare=prepare) for d in s.depths}
-        return extrapolate_by_depth(reports, n_layers, constant=constant)
+                                            fake=True, device="cpu", prepare=prepare) for d in depths}
+        return peak_by_depth(reports, n_layers)
 
-    baseline = measure()
+    base_peak, base = measure()
     if check_full_depth:
-        full = training_bytes(measure_training_step(spec, s.big_batch, s.big_seq_len, BIG_PRECISION, fake=True,
-                                                    device="cpu"))
-        assert full == baseline, f"extrapolation {baseline} != full-depth measurement {full}"
-    # with DGR the gradients are the largest group's: the same at every depth, not growing per layer
-    packed = measure(mvas_prepare(plan, dgr, s.seed), constant=("gradients",) if dgr else ())
-    return BigMemory(model, parameter_count(spec.shape), n_layers, s.big_batch, s.big_seq_len, baseline, packed,
-                     dgr, check_full_depth)
+        full = measure_training_step(spec, s.big_batch, s.big_seq_len, BIG_PRECISION, fake=True, device="cpu")
+        assert (full.peak_bytes, full.by_category) == (base_peak, base), \
+            f"extrapolation {base_peak} {base} != full-depth measurement {full.peak_bytes} {full.by_category}"
+    shift = max(0, 2 - min(s.depths)) if dgr else 0
+    packed_peak, packed = measure(mvas_prepare(plan, dgr, s.seed), tuple(d + shift for d in s.depths))
+    return BigMemory(model, parameter_count(spec.shape), n_layers, s.big_batch, s.big_seq_len, base_peak,
+                     packed_peak, base, packed, dgr, check_full_depth)
 
 
 @dataclass
@@ -399,8 +669,8 @@ class Accountings:
 
 
 def accountings(big: BigMemory) -> Accountings:
-    """fp16 weights (+ grads, + activations, + 8-bit Adam), every precision policy's training state, and the
-    measured baseline and MVAS totals; the closest to 320 GB among those that are not MVAS."""
+    """fp16 weights (+ grads, + the activations at the baseline's peak, + 8-bit Adam), every precision policy's
+    training state, and the measured baseline and MVAS peaks; the closest to 320 GB among those not MVAS."""
     n, spec = big.n_params, get_model_spec(big.model)
     counts: dict[str, float] = {
         "weights fp16": 2 * n,
@@ -410,16 +680,15 @@ def accountings(big: BigMemory) -> Accountings:
     }
     for name in PRECISIONS:
         counts[f"{name} training state"] = training_state_bytes(spec.shape, name)["total"]
-    counts["bf16_mixed state + activations (baseline)"] = sum(big.baseline.values())
-    counts["MVAS state + activations (measured)"] = sum(big.mvas.values())
+    counts["bf16_mixed step peak (baseline, measured)"] = big.baseline_peak
+    counts["MVAS step peak (measured)"] = big.mvas_peak
     closest = min((k for k in counts if "MVAS" not in k), key=lambda k: abs(counts[k] - POST_BASELINE_GB * GB))
     return Accountings(counts, closest)
 
 
 def memory_metrics(big: BigMemory, prefix: str) -> dict[str, float]:
-    """``memory_reduction``, ``baseline_bytes``, ``<prefix>_bytes`` and each category of both."""
-    return dict(memory_reduction=big.reduction, baseline_bytes=sum(big.baseline.values()),
-                **{f"{prefix}_bytes": sum(big.mvas.values())},
+    """``baseline_bytes`` and ``<prefix>_bytes`` (the measured peaks) and each category at them."""
+    return dict(baseline_bytes=big.baseline_peak, **{f"{prefix}_bytes": big.mvas_peak},
                 **{f"baseline_{k}_bytes": v for k, v in big.baseline.items()},
                 **{f"{prefix}_{k}_bytes": v for k, v in big.mvas.items()})
 
@@ -428,43 +697,67 @@ def c7_memory_metrics(big: BigMemory, acc: Accountings) -> dict[str, float]:
     return dict(memory_metrics(big, "mvas"), closest_to_320_bytes=acc.bytes[acc.closest])
 
 
-def c1_metrics(big: BigMemory, training: Training) -> dict[str, float]:
-    base, md = training.results[training.baseline], training.results["MVAS + DGR"]
-    return dict(memory_metrics(big, "mvas_dgr"), quality_gap=base["accuracy"] - md["accuracy"],
-                eval_loss_gap=md["eval_loss"] - base["eval_loss"])
+def c7_estimates(training: Training, big: BigMemory) -> dict[str, Estimate]:
+    """What C7 is graded on: ``memory_reduction`` (an exact byte ratio of measured peaks), ``speed_ratio`` and
+    ``accuracy_gap`` (MVAS; paired seeds and ABBA blocks), with the eval-loss gap and MVAS + DGR's beside them."""
+    return {"memory_reduction": exact(big.reduction), **training.estimates()}
+
+
+def c1_estimates(training: Training, big: BigMemory) -> dict[str, Estimate]:
+    """What C1 is graded on: ``memory_reduction`` of MVAS + DGR (exact, measured peaks) and ``quality_gap`` (the
+    accuracy lost by MVAS + DGR, paired seeds), with its eval-loss gap and speed ratio beside them."""
+    return {"memory_reduction": exact(big.reduction), "quality_gap": training.accuracy_gap("MVAS + DGR"),
+            "eval_loss_gap": training.eval_loss_gap("MVAS + DGR"), "speed_ratio": training.speed_ratio("MVAS + DGR")}
+
+
+def _memory_bars(ax: plt.Axes, big: BigMemory, legend: bool = True) -> None:
+    """Horizontal bars of both peaks, stacked by category at the peak, each labelled with its total."""
+    for i, (b, peak) in enumerate(((big.baseline, big.baseline_peak), (big.mvas, big.mvas_peak))):
+        left = 0.0
+        for k in CATEGORIES:
+            ax.barh(i, b[k] / GB, left=left, color=COLORS[k], height=0.6,
+                    label=k.replace("_", " ") if i == 0 and legend else None)
+            left += b[k] / GB
+        ax.annotate(f"peak {peak / GB:.0f} GB", (peak / GB, i), xytext=(4, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    ax.set_yticks([0, 1], ["baseline\n(bf16 + fp32\nmaster, Adam)", big.variant])
+    ax.set_xlim(0, big.baseline_peak / GB * 1.18)
+    ax.set_xlabel("GB at the step's measured peak, by category")
 
 
 def plot_c7_memory(big: BigMemory) -> Figure:
-    """Stacked bars of the baseline and MVAS step, with the post's 320 and 192 GB marked (labels placed on
-    either side of their lines, so they never overlap)."""
+    """Both measured peaks, stacked by category at the peak, with the post's 320 and 192 GB marked (labels placed
+    on either side of their lines, so they never overlap) and the measured reduction in the title."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, b in enumerate((big.baseline, big.mvas)):
-        left = 0.0
-        for k, color in zip(MEMORY_CATEGORIES, ("C0", "C1", "C2", "C3", "C7")):
-            ax.barh(i, b[k] / GB, left=left, color=color, label=k.replace("_", " ") if i == 0 else None)
-            left += b[k] / GB
+    _memory_bars(ax, big)
+    ax.set_xlim(0, max(ax.get_xlim()[1], POST_BASELINE_GB * 1.15))  # both of the post's lines on the axis
     for x, ha in ((POST_MVAS_GB, "right"), (POST_BASELINE_GB, "left")):
         ax.axvline(x, color="k", ls=":", lw=1)
         ax.annotate(f"post: {x} GB", (x, 1.45), xytext=(-3 if ha == "right" else 3, 0), textcoords="offset points",
                     fontsize=8, ha=ha, va="center")
-    ax.set_yticks([0, 1], ["baseline", big.variant])
-    ax.set(xlabel="GB", title=f"{big.model} training step ({big.n_params / 1e9:.1f}B params, {big.batch}x"
-                              f"{big.seq_len}), fake tensors")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylim(-0.5, 1.6)
+    ax.set_title(f"{big.model} training step ({big.n_params / 1e9:.1f}B params, {big.batch}x{big.seq_len}), fake "
+                 f"tensors: peak {-big.reduction:+.1%} (graded; post: -40%)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(CATEGORIES), frameon=False)
     fig.tight_layout()
     return fig
 
 
-def plot_c1_memory(big: BigMemory) -> Figure:
-    """Baseline against MVAS + DGR, category by category."""
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    x = np.arange(len(MEMORY_CATEGORIES))
-    ax.bar(x - 0.2, [big.baseline[k] / GB for k in MEMORY_CATEGORIES], 0.4, label="baseline")
-    ax.bar(x + 0.2, [big.mvas[k] / GB for k in MEMORY_CATEGORIES], 0.4, label=big.variant)
-    ax.set_xticks(x, [k.replace("_", "\n") for k in MEMORY_CATEGORIES])
-    ax.set(ylabel="GB", title=f"{big.model} ({big.n_params / 1e9:.1f}B params): one {big.batch}x{big.seq_len} step, "
-                              "fake tensors")
-    ax.legend()
+def plot_c1(big: BigMemory, training: Training) -> Figure:
+    """C1's two graded numbers: both measured peaks of the ~10B step, stacked by category, with the post's -40%
+    marked; and the accuracy gap of MVAS + DGR per paired seed with its interval against 0.5 points."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=(1.7, 1)))
+    _memory_bars(axes[0], big)
+    t = _target("C1", "memory_reduction")
+    x = big.baseline_peak * (1 - t.lo) / GB
+    axes[0].axvline(x, color="C2", ls="--", lw=1.2)
+    axes[0].annotate(f"post: -{t.lo:.0%} = {x:.0f} GB", (x, 1.42), xytext=(-3, 0), textcoords="offset points",
+                     fontsize=8, ha="right", va="center")
+    axes[0].set_ylim(-0.5, 1.6)
+    axes[0].set_title(f"C1: {big.model} ({big.n_params / 1e9:.1f}B params), one {big.batch}x{big.seq_len} step, fake "
+                      f"tensors: peak {-big.reduction:+.1%} (graded)", fontsize=9)
+    axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, frameon=False)
+    _accuracy_panel(axes[1], training, "MVAS + DGR", "C1", "quality_gap")
     fig.tight_layout()
     return fig
 
@@ -477,34 +770,43 @@ def _speed_basis(small: SmallLlama) -> str:
 
 def c7_texts(small: SmallLlama, training: Training, big: BigMemory, acc: Accountings) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C7").grade``."""
-    s, m = small.settings, training.metrics
-    base, mv = training.results[training.baseline], training.results["MVAS"]
+    s, m, est = small.settings, training.metrics, training.estimates()
     scale = (f"memory: real {big.model} architecture ({big.n_params / 1e9:.1f}B params) under fake tensors, "
-             f"{BIG_PRECISION}, one {big.batch}x{big.seq_len} step; speed and accuracy: {s.layers}-layer Llama "
-             f"({small.n_params / 1e6:.1f}M params), {s.steps} steps on the {s.corpus} byte corpus; "
+             f"{BIG_PRECISION}, one {big.batch}x{big.seq_len} step, measured peaks; speed and accuracy: "
+             f"{s.layers}-layer Llama ({small.n_params / 1e6:.1f}M params), {s.steps} steps on the {s.corpus} byte "
+             f"corpus, {len(training.runs)} paired seeds, {m['timing_blocks']} ABBA timing blocks in one process; "
              f"{describe(machine_info(s.device), s.compute_dtype)}")
-    measured = (f"{sum(big.baseline.values()) / GB:.0f} -> {sum(big.mvas.values()) / GB:.0f} GB "
-                f"({-big.reduction:+.1%}); speed {m['speed_ratio']:.2f}x ({_speed_basis(small)}); next-token "
-                f"accuracy {base['accuracy']:.2%} -> {mv['accuracy']:.2%}")
-    note = (f"memory baseline = bf16 weights and grads with fp32 master and Adam moments (16 B/param) plus "
-            f"activations; speed and accuracy baseline = {training.baseline}; "
+    measured = (f"peak {big.baseline_peak / GB:.0f} -> {big.mvas_peak / GB:.0f} GB ({-big.reduction:+.1%}, exact); "
+                f"speed {est['speed_ratio'].describe(3)} ({_speed_basis(small)}); next-token accuracy "
+                f"{m['baseline_accuracy']:.2%} -> {m['mvas_accuracy']:.2%} (seed means), gap "
+                f"{_points(est['accuracy_gap'])}")
+    note = (f"memory: measured peaks (the largest live total of the step), the categories at the peak beside them; "
+            f"baseline = bf16 weights and grads with fp32 master and Adam moments (16 B/param) plus activations; "
+            f"speed and accuracy baseline = {training.baseline}; "
             f"{'the' if acc.match else 'no'} accounting of the 65B model gives the post's 320 GB (closest: "
-            f"'{acc.closest}', {acc.bytes[acc.closest] / GB:.0f} GB). MVAS moves {m['replan_moves']} tensors between "
-            f"tiers in {s.steps} steps; eval loss {base['eval_loss']:.4f} -> {mv['eval_loss']:.4f}; the speed "
-            f"ratio depends on the hardware (a baseline in emulated bf16 is slow, so MVAS looks faster beside it)")
+            f"'{acc.closest}', {acc.bytes[acc.closest] / GB:.0f} GB). MVAS moves {m['replan_moves']:.0f} tensors "
+            f"between tiers in {s.steps} steps (mean over seeds); eval loss gap {est['eval_loss_gap'].describe(3)}; "
+            f"the speed ratio depends on the hardware (a baseline in emulated bf16 is slow, so MVAS looks faster "
+            f"beside it)")
     return {"scale": scale, "measured_text": measured, "note": note}
 
 
 def c1_texts(small: SmallLlama, training: Training, big: BigMemory) -> dict[str, str]:
     """``scale``, ``measured_text`` and ``note`` for ``get_claim("C1").grade``."""
-    s = small.settings
-    base, md = training.results[training.baseline], training.results["MVAS + DGR"]
+    s, m = small.settings, training.metrics
+    est = c1_estimates(training, big)
     scale = (f"memory: {big.model} ({big.n_params / 1e9:.1f}B params) under fake tensors, {BIG_PRECISION}, one "
-             f"{big.batch}x{big.seq_len} step; quality: {s.layers}-layer Llama ({small.n_params / 1e6:.1f}M "
-             f"params), {s.steps} steps, baseline {training.baseline}; "
-             f"{describe(machine_info(s.device), s.compute_dtype)}")
-    measured = (f"{sum(big.baseline.values()) / GB:.0f} -> {sum(big.mvas.values()) / GB:.0f} GB "
-                f"({-big.reduction:+.1%}); next-token accuracy {base['accuracy']:.2%} -> {md['accuracy']:.2%}")
-    note = (f"DGR frees gradients per layer ({big.baseline['gradients'] / GB:.1f} -> {big.mvas['gradients'] / GB:.1f} "
-            f"GB); most of the saving is the optimizer state (fp32 master + moments -> fp8 moments, no master)")
+             f"{big.batch}x{big.seq_len} step, measured peaks; quality: {s.layers}-layer Llama "
+             f"({small.n_params / 1e6:.1f}M params), {s.steps} steps, {len(training.runs)} paired seeds, baseline "
+             f"{training.baseline}; {describe(machine_info(s.device), s.compute_dtype)}")
+    measured = (f"peak {big.baseline_peak / GB:.1f} -> {big.mvas_peak / GB:.1f} GB ({-big.reduction:+.1%}, exact); "
+                f"next-token accuracy {m['baseline_accuracy']:.2%} -> {m['mvas_dgr_accuracy']:.2%} (seed means), "
+                f"gap {_points(est['quality_gap'])}")
+    def state(b: Mapping[str, int]) -> float:
+        return (b["optimizer_state"] + b["master_weights"]) / GB
+
+    note = (f"at the peak: gradients {big.baseline['gradients'] / GB:.1f} -> {big.mvas['gradients'] / GB:.1f} GB "
+            f"(DGR frees them per layer), optimizer state + master {state(big.baseline):.1f} -> "
+            f"{state(big.mvas):.1f} GB (fp32 master + moments -> fp8 moments, no master); eval loss gap "
+            f"{est['eval_loss_gap'].describe(3)}; speed {est['speed_ratio'].describe(3)}")
     return {"scale": scale, "measured_text": measured, "note": note}

@@ -3,16 +3,18 @@ usable, fake-tensor memory equal to real-tensor memory byte for byte, the batch 
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from scipy import stats
 
 from macroarch import compose
 from macroarch.config import load_config
 from macroarch.experiments import clip
 from macroarch.measure.memory import CATEGORIES
 from macroarch.repro import cli
-from macroarch.repro.claims import CONTRADICTED, NOT_REPRODUCED, PARTIALLY, REPRODUCED, get_claim
+from macroarch.repro.claims import CONTRADICTED, INCONCLUSIVE, NOT_REPRODUCED, PARTIALLY, REPRODUCED, get_claim
 
 POST_BLOCK = """
 optim:
@@ -153,10 +155,26 @@ def test_retrieval_counts_captions_of_equal_scenes_as_hits():
     assert math.isfinite(r["loss"])
 
 
-def test_seed_interval():
-    mean, lo, hi = clip.seed_interval([1.0, 2.0, 3.0])
-    assert mean == 2.0 and math.isclose(hi - mean, 2.920 / math.sqrt(3)) and math.isclose(mean - lo, hi - mean)
-    assert clip.seed_interval([0.5]) == (0.5, 0.5, 0.5)
+def _training_with(recalls):
+    """A SmallTraining whose seed s has held-out recall@1 ``recalls[s] = (baseline, post)`` both ways."""
+    t = clip.SmallTraining("bf16_mixed", 1, 1)
+    for s, (base, post) in enumerate(recalls):
+        for v, r in (("bf16_mixed", base), ("post", post)):
+            t.final[s, v] = dict(i2t_r1=r, t2i_r1=r)
+    return t
+
+
+def test_the_retrieval_gap_is_paired_over_seeds():
+    recalls = [(0.50, 0.49), (0.60, 0.58), (0.40, 0.41), (0.55, 0.52)]
+    gap = _training_with(recalls).retrieval_gap()
+    per_seed = [b - p for b, p in recalls]
+    assert gap.n == 4 and gap.method == "paired t over seeds" and gap.value == pytest.approx(np.mean(per_seed))
+    half = stats.t.ppf(0.95, 3) * np.std(per_seed, ddof=1) / math.sqrt(4)  # the 90% t interval, by hand
+    assert gap.low == pytest.approx(gap.value - half) and gap.high == pytest.approx(gap.value + half)
+    # pairing: a seed-to-seed spread both variants share (0.40 to 0.60) does not widen the interval
+    unpaired = stats.ttest_ind([b for b, _ in recalls], [p for _, p in recalls]).confidence_interval(0.9)
+    assert gap.high - gap.low < (unpaired.high - unpaired.low) / 4
+    assert [r["gap"] for r in _training_with(recalls).seed_rows()] == pytest.approx(per_seed)
 
 
 def test_train_small_runs_both_variants_on_the_same_batches(tmp_path, monkeypatch):
@@ -173,18 +191,45 @@ def test_train_small_runs_both_variants_on_the_same_batches(tmp_path, monkeypatc
     assert abs(base[0] - post[0]) < 0.05 * base[0]  # the same weights (post's packed) on the same first batch
     assert [s for s, _ in result.curves[0, "post"]] == [2, 4]
     m = result.metrics()
-    assert m["retrieval_gap"] == m["retrieval_gap_lo"] == m["retrieval_gap_hi"]
+    gap = result.retrieval_gap()
+    assert gap.n == 1 and not gap.has_interval  # one seed: no interval, so it cannot decide a grade
     assert 0 <= m["post_recall1"] <= 1 and m["step_time_ratio"] > 0
     assert "held-out" in result.table()
 
 
-@pytest.mark.parametrize("reduction, gap_lo, grade", [
-    (0.40, 0.0, REPRODUCED), (0.40, 0.05, PARTIALLY), (0.12, -0.01, PARTIALLY), (0.01, 0.0, NOT_REPRODUCED),
-    (-0.1, 0.0, CONTRADICTED),
+@pytest.mark.parametrize("reduction, gaps, grade", [
+    (0.40, (0.00, 0.01, -0.01, 0.005), REPRODUCED),  # the gap's interval inside the 2-point margin
+    (0.40, (0.05, 0.06, 0.055, 0.07), PARTIALLY),  # memory as claimed, recall@1 lost beyond the margin
+    (0.12, (0.00, 0.01, -0.01, 0.005), PARTIALLY),  # less memory saved than claimed, but clearly some
+    (0.01, (0.00, 0.01, -0.01, 0.005), NOT_REPRODUCED),
+    (-0.1, (0.00, 0.01, -0.01, 0.005), CONTRADICTED),
+    (0.40, (-0.02, 0.06, 0.01, 0.04), INCONCLUSIVE),  # the gap's interval crosses the margin
 ])
-def test_c15_grading(reduction, gap_lo, grade):
-    m = {"memory_reduction": reduction, "retrieval_gap": gap_lo + 0.01, "retrieval_gap_lo": gap_lo}
-    assert get_claim("C15").grade(m, scale="test").grade == grade
+def test_c15_grading(reduction, gaps, grade):
+    training = _training_with([(0.5, 0.5 - g) for g in gaps])
+    m = {"memory_reduction": reduction, "retrieval_gap": training.retrieval_gap().to_dict()}
+    verdict = get_claim("C15").grade(m, scale="test")
+    assert verdict.grade == grade
+    assert verdict.estimates["retrieval_gap"]["n"] == len(gaps)
+
+
+def test_c15_estimates_and_figure_show_the_graded_numbers():
+    config = load_config(clip.post_config_path())
+    sweep = clip.memory_sweep(["small"], [16, 64], config, baselines=["bf16_mixed"], target_gb=0.004, small=TINY)
+    training = _training_with([(0.5, 0.49), (0.6, 0.6), (0.4, 0.42)])
+    est = clip.c15_estimates(sweep, training)
+    assert est["memory_reduction"].is_exact and est["memory_reduction"].value == sweep.metrics()["memory_reduction"]
+    assert est["retrieval_gap"].n == 3 and est["retrieval_gap"].has_interval
+    fig = clip.plot_graded(sweep, training)
+    renderer = fig.canvas.get_renderer()
+    memory_ax, gap_ax = fig.axes
+    assert "%" in memory_ax.get_ylabel() and "percentage points" in gap_ax.get_ylabel()
+    for ax in fig.axes:  # legends below the axes, never over the data
+        assert ax.get_legend().get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1
+    caps = np.array([line.get_ydata()[0] for line in gap_ax.lines if line.get_marker() == "_"])  # the caps
+    gap = est["retrieval_gap"]
+    assert np.isclose(caps, gap.low * 100).any() and np.isclose(caps, gap.high * 100).any()
+    fig.clf()
 
 
 def test_settings_name_the_field_that_is_wrong():
@@ -192,6 +237,7 @@ def test_settings_name_the_field_that_is_wrong():
                 text_layers=1, batch_size=16, steps=4, warmup_steps=1, eval_every=2, seeds=1,
                 compute_dtype="float32", device="cpu", threads=1)
     assert clip.ClipSettings.from_params(good).memory_baselines == ("bf16_mixed", "fp32")
+    assert clip.ClipSettings.from_params(dict(good, seed=100, seeds=3)).seed_list == (100, 101, 102)
     with pytest.raises(ValueError, match="patch_size"):
         clip.ClipSettings.from_params(dict(good, patch_size=5))  # does not divide the 32 px image
     with pytest.raises(ValueError, match="memory_baselines"):

@@ -1,6 +1,8 @@
 """Notebook 08's harness (C10): the recipe runs on a toy model, the spike guard's count on a scripted loss stream,
-and the statistics on synthetic sweeps whose answer is known."""
+the paired seeds of a real sweep, and the statistics and the grid's growth on synthetic sweeps whose answer is
+known."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -12,7 +14,9 @@ from torch import nn
 
 from macroarch.experiments import convergence_recipe as cr
 from macroarch.experiments.loop import evaluate_lm
+from macroarch.measure.stats import MIN_BOOTSTRAP_N
 from macroarch.optim import MasterWeightAdamW, warmup_cosine
+from macroarch.repro.claims import INCONCLUSIVE, REPRODUCED, get_claim, regrade_leaving_out
 
 
 class Scripted(nn.Module):
@@ -111,89 +115,209 @@ def test_mvas_stack_is_composed_packs_the_weights_and_learns():
     assert result.eval_loss < before
 
 
-def test_fitted_optimum_finds_a_parabola_vertex_and_falls_back_to_argmin():
+
+def _parabola(grid, center):
+    return [(math.log(m) - math.log(center)) ** 2 for m in grid]
+
+
+def test_curve_optimum_finds_the_vertex_between_grid_points():
     grid = [0.5, 0.75, 1.0, 1.2, 1.5, 2.0]
-    losses = [(math.log(m) - math.log(1.3)) ** 2 for m in grid]  # minimum at 1.3, between grid points
-    assert cr.fitted_optimum(grid, losses) == pytest.approx(1.3)
-    assert cr.fitted_optimum(grid, [-v for v in losses]) in (0.5, 2.0)  # concave: the grid's argmin
-    assert cr.fitted_optimum(grid, [5 - m for m in grid]) == 2.0  # monotone: clipped to the grid
-    assert cr.fitted_optimum([1.0, 1.5], [2.0, 1.0]) == 1.5
+    # An exact parabola in log LR: the 3-point parabola around the lowest point is the curve itself.
+    assert cr.curve_optimum(grid, _parabola(grid, 1.3)) == (pytest.approx(1.3), 3)  # nearest: 1.2
+    assert cr.curve_optimum(grid, [v + 7.0 for v in _parabola(grid, 0.9)]) == (pytest.approx(0.9), 2)
+    # Two equal lowest points: no tie to pick, the parabola's vertex lies midway between them in log LR.
+    assert cr.curve_optimum([0.5, 1.0, 2.0, 4.0], [2.0, 1.0, 1.0, 2.0]) == (pytest.approx(math.sqrt(2)), 1)
+    assert cr.curve_optimum([0.5, 1.0, 2.0], [1.0, 1.0, 1.0]) == (0.5, 0)  # flat: the first point, at the edge
+    with pytest.raises(ValueError, match="increase"):
+        cr.curve_optimum([1.0, 0.5, 2.0], [1.0, 2.0, 3.0])
 
 
-def test_optimum_ratio_interval_is_paired_and_brackets_a_known_shift():
-    grid = [0.5, 0.75, 1.0, 1.5, 2.0]
-    g = torch.Generator().manual_seed(0)
-    noise = torch.randn(5, len(grid), generator=g) * 0.01
-    curve = lambda center: torch.tensor([(math.log(m) - math.log(center)) ** 2 for m in grid])  # noqa: E731
-    a = (curve(0.8) + noise).tolist()
-    assert cr.optimum_ratio_interval(grid, a, a, samples=50) == (1.0, 1.0)  # paired: identical runs
-    lo, hi = cr.optimum_ratio_interval(grid, a, (curve(1.2) + noise).tolist(), samples=200)
-    assert lo <= 1.5 <= hi and lo > 1.0
-    with pytest.raises(ValueError, match="losses_a"):
-        cr.optimum_ratio_interval(grid, a, [row[:3] for row in a])
+def test_an_optimum_at_the_grid_edge_is_found_by_index():
+    # issue 42: plain's optimum sat at the grid's lower edge, but an equality test against the grid's values said
+    # no. The lowest point's index decides: a curve still falling at either end is at the edge.
+    grid = [0.5, 1.0, 1.35, 2.0]
+    optimum, i = cr.curve_optimum(grid, [1.0, 1.1, 1.2, 1.3])
+    assert (optimum, i) == (0.5, 0) and cr.at_edge(i, len(grid))
+    optimum, i = cr.curve_optimum(grid, [1.3, 1.2, 1.1, 1.0])
+    assert (optimum, i) == (2.0, 3) and cr.at_edge(i, len(grid))
+    assert not cr.at_edge(1, len(grid)) and not cr.at_edge(2, len(grid))
 
 
-def _synthetic_sweep(centers, seeds=3, diverge=()):
-    """A sweep whose held-out loss is an exact parabola in log LR, centred per (stack, warmup), plus a per-seed
-    offset (which cancels in every paired difference and in the medians' argmin)."""
-    mults, warms = [0.5, 1.0, 1.2, 1.35, 1.5, 2.0], [1.0, 1.3]
-    settings = cr.RecipeSettings(seeds=seeds, n_layers=2, width=32, n_heads=2, seq_len=16, batch_size=8, steps=10,
-                                 base_lr=1e-2, warmup_steps=1, lr_multipliers=tuple(mults), eval_batches=1,
-                                 device="cpu", threads=1, warmup_factors=tuple(warms), stacks=("plain", "macro"))
-    sw = cr.Sweep(settings, list(range(seeds)), 1000, initial_loss=9.0)
-    for (stack, warm), c in centers.items():
-        for m in mults:
-            for s in range(seeds):
+def _columns(tables):
+    return tuple(tuple(t[:, j]) for t in tables for j in range(t.shape[1]))
+
+
+def test_shift_estimate_is_paired_and_brackets_a_known_shift():
+    grid = [0.5, 0.7, 1.0, 1.35, 1.8, 2.5]
+    rng = np.random.default_rng(0)
+    seeds = 8
+    offsets = rng.normal(0, 0.3, (seeds, 1))  # per-seed level: shared by both stacks, cancels in the pairing
+    noise = lambda: rng.normal(0, 0.005, (seeds, len(grid)))  # noqa: E731
+    a = np.array(_parabola(grid, 0.9)) + offsets + noise()
+    b = np.array(_parabola(grid, 0.9 * 1.35)) + offsets + noise()
+    same = cr.shift_estimate(*_columns([a, a]), multipliers=grid)
+    assert same.value == 1.0 and (same.low, same.high) == (1.0, 1.0) and same.n == seeds
+    e = cr.shift_estimate(*_columns([a, b]), multipliers=grid)
+    # The point value is the ratio of the two seed-mean curves' optima, computed here by hand.
+    by_hand = cr.curve_optimum(grid, b.mean(axis=0))[0] / cr.curve_optimum(grid, a.mean(axis=0))[0]
+    assert e.value == pytest.approx(by_hand) and e.n == seeds and e.confidence == 0.9 and e.log_scale
+    assert e.low <= 1.35 <= e.high and e.low > 1.1 and "bootstrap" in e.method
+    assert get_claim("C10").grade({"best_lr_multiplier": e, "optimum_at_grid_edge": 0}, scale="t").grade == REPRODUCED
+    few = cr.shift_estimate(*_columns([a[:MIN_BOOTSTRAP_N - 1], b[:MIN_BOOTSTRAP_N - 1]]), multipliers=grid)
+    assert not few.has_interval  # too few seeds for a bootstrap: the grade cannot rest on it
+    assert get_claim("C10").grade({"best_lr_multiplier": few, "optimum_at_grid_edge": 0}, scale="t").grade == \
+        INCONCLUSIVE
+    with pytest.raises(ValueError, match="columns"):
+        cr.shift_estimate(*_columns([a]), multipliers=grid)
+
+
+MULTS, WARMS = (0.5, 0.7, 1.0, 1.35, 1.8, 2.5), (1.0, 1.3)
+
+
+def _settings(seeds, **kw):
+    return cr.RecipeSettings(**{**dict(seeds=seeds, n_layers=2, width=32, n_heads=2, seq_len=16, batch_size=8,
+                                       steps=10, base_lr=1e-2, warmup_steps=1, lr_multipliers=MULTS, eval_batches=1,
+                                       device="cpu", threads=1, warmup_factors=WARMS, stacks=("plain", "macro")),
+                                **kw})
+
+
+def _fake_result(loss, stack, seed, diverged=False):
+    return cr.RunResult([loss], math.nan if diverged else loss, 0 if diverged else None, 0.0,
+                        {"spike_triggers": 2 if stack == "macro" and seed == 0 else 0, "min_lr_factor": 1.0})
+
+
+def _synthetic_sweep(centers, seeds=8, diverge=(), usual_offset=0.0):
+    """A sweep whose held-out loss is an exact parabola in log LR, centred per stack, plus a per-seed offset (which
+    cancels in every paired difference and in the seed-mean curve's argmin); the usual warmup's runs are
+    ``usual_offset`` worse."""
+    settings = _settings(seeds)
+    sw = cr.Sweep(settings, list(range(seeds)), 1000, initial_loss=9.0, multipliers=list(MULTS))
+    for stack, c in centers.items():
+        for s in range(seeds):
+            for m in MULTS:
                 loss = 3.0 + (math.log(m) - math.log(c)) ** 2 + 0.01 * s
-                triggers = 2 if stack == "macro" and s == 0 else 0
-                diverged = 0 if (stack, m, warm, s) in diverge else None
-                sw.results[stack, m, warm, s] = cr.RunResult([loss], math.nan if diverged == 0 else loss, diverged,
-                                                             0.0, {"spike_triggers": triggers, "min_lr_factor": 1.0})
+                sw.results[stack, m, 1.3, s] = _fake_result(loss, stack, s, (stack, m, 1.3, s) in diverge)
+            for m in settings.warmup_multipliers:
+                loss = 3.0 + (math.log(m) - math.log(c)) ** 2 + 0.01 * s + usual_offset
+                sw.results[stack, m, 1.0, s] = _fake_result(loss, stack, s)
     return sw
 
 
-def test_analyse_recovers_known_optima_and_gains():
-    centers = {("plain", 1.0): 1.0, ("plain", 1.3): 1.0, ("macro", 1.0): 1.1, ("macro", 1.3): 1.3}
-    a = cr.analyse(_synthetic_sweep(centers))
-    assert a.optimum["plain", 1.0] == pytest.approx(1.0) and a.optimum["macro", 1.3] == pytest.approx(1.3)
-    assert a.best_lr_multiplier == pytest.approx(1.3) and a.metrics["best_lr_multiplier"] == pytest.approx(1.3)
-    assert a.same_warmup_shift == pytest.approx(1.1)
-    assert a.interval == pytest.approx((1.3, 1.3))  # the seeds differ by a constant: every bootstrap agrees
-    assert a.warmup_gain["plain"] == pytest.approx(0.0, abs=1e-12)
-    # macro: the usual warmup at 1x against the recipe (+30% warmup, 1.35x), same seed
-    expected = (math.log(1.0) - math.log(1.1)) ** 2 - (math.log(1.35) - math.log(1.3)) ** 2
-    assert a.recipe_gain == pytest.approx(expected)
-    assert a.metrics["macro_spike_triggers"] == 2 * 6 * 2 and a.metrics["macro_runs_with_triggers"] == 12
-    assert a.metrics["plain_spike_triggers"] == 0 and a.edges == []
-    assert a.noise == pytest.approx(np.std([0, 0.01, 0.02], ddof=1) / math.sqrt(3))
+def test_analyse_recovers_known_optima_at_the_same_warmup_and_the_paired_gains():
+    a = cr.analyse(_synthetic_sweep({"plain": 1.0, "macro": 1.3}, usual_offset=0.02))
+    assert a.optimum["plain"] == pytest.approx(1.0) and a.optimum["macro"] == pytest.approx(1.3)
+    e = a.estimates["best_lr_multiplier"]
+    assert e.value == pytest.approx(1.3) and (e.low, e.high) == (pytest.approx(1.3), pytest.approx(1.3))
+    assert e.n == 8 and a.seed_shifts == pytest.approx([1.3] * 8)
+    # The +30% warmup's gain: usual - longer, per seed, at 1x: the 0.02 offset exactly, with a zero-width interval.
+    g = a.estimates["macro_warmup_extension_gain"]
+    assert g.value == pytest.approx(0.02) and g.n == 8 and g.high - g.low < 1e-9
+    # The recipe point is the setting's 1.35 (no nearest-to-1.35 search): macro at 1x usual warmup - at 1.35x longer.
+    expected = 0.02 + math.log(1.3) ** 2 - (math.log(1.35) - math.log(1.3)) ** 2
+    assert a.estimates["recipe_loss_gain"].value == pytest.approx(expected)
+    assert a.metrics["macro_spike_triggers"] == 2 * (6 + 1) and a.metrics["macro_runs_with_triggers"] == 7
+    assert a.metrics["plain_spike_triggers"] == 0 and a.edges == [] and a.metrics["optimum_at_grid_edge"] == 0
+
+
+def test_analyse_counts_a_graded_optimum_at_the_edge_and_the_grade_is_inconclusive():
+    sw = _synthetic_sweep({"plain": 0.4, "macro": 1.3})  # plain still falling at the grid's 0.5
+    a = cr.analyse(sw)
+    assert a.edges == ["plain"] and a.metrics["optimum_at_grid_edge"] == 1 and a.optimum["plain"] == 0.5
+    verdict = get_claim("C10").grade({**a.metrics, **a.estimates}, scale="t")
+    assert verdict.grade == INCONCLUSIVE and "edge" in verdict.note
+
+
+def test_the_grid_grows_past_an_edge_until_it_brackets_the_optimum(monkeypatch):
+    centers = {"plain": 0.3, "macro": 0.45}
+
+    def fake_run(model, batches, eval_set, *, stack, lr_multiplier, **_):
+        return _fake_result(3.0 + (math.log(lr_multiplier) - math.log(centers[stack])) ** 2, stack, 1)
+
+    monkeypatch.setattr(cr, "recipe_run", fake_run)
+    settings = _settings(2, lr_multipliers=(0.5, 1.0, 1.35, 2.0), max_grid_points=7)
+    sw = cr.sweep(settings)
+    # 0.5 is the lowest point, so 0.25 (0.5 * 0.5 / 1.0) runs; 0.25 is lowest again (0.3 is nearer it in log LR),
+    # so 0.125 runs; now 0.25 has a neighbour on each side: the optimum is bracketed and the grid stops.
+    assert sw.extensions == [0.25, 0.125] and sw.multipliers == [0.125, 0.25, 0.5, 1.0, 1.35, 2.0]
+    assert {k[1] for k in sw.results if k[2] == 1.3} == set(sw.multipliers)
+    a = cr.analyse(sw)
+    assert a.edges == [] and a.optimum["plain"] == pytest.approx(0.3) and a.optimum["macro"] == pytest.approx(0.45)
+    capped = cr.sweep(dataclasses.replace(settings, max_grid_points=5))
+    assert capped.extensions == [0.25] and cr.analyse(capped).metrics["optimum_at_grid_edge"] == 1
+
+
+def test_a_real_sweep_pairs_its_seeds():
+    # Every stack, multiplier and warmup of one seed starts from the same weights and first batch: the first
+    # training loss (before any update) is the same across them; another seed's differs.
+    settings = _settings(2, steps=2, lr_multipliers=(0.5, 1.0, 1.35), max_grid_points=3, recipe_multiplier=1.35)
+    sw = cr.sweep(settings)
+    assert len(sw.results) == 2 * 3 * 2 + 2 * 1 * 2
+    first = {s: {r.losses[0] for k, r in sw.results.items() if k[3] == s} for s in sw.seeds}
+    assert all(len(v) == 1 for v in first.values()) and first[0] != first[1]
+    torch.manual_seed(123)
+    a, b = cr._build(settings, 0), cr._build(settings, 0)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_leaving_a_seed_out_regrades_from_the_raw_columns():
+    sw = _synthetic_sweep({"plain": 1.0, "macro": 1.3}, seeds=7)
+    rep = cr.repeated(sw)
+    assert rep["best_lr_multiplier"].n == 7 and rep["best_lr_multiplier"].estimate().value == pytest.approx(1.3)
+    stability = regrade_leaving_out("C10", rep, fixed={"optimum_at_grid_edge": 0})
+    assert stability.grade == REPRODUCED and stability.stable
 
 
 def test_a_diverged_run_is_charged_the_untrained_loss():
-    centers = {("plain", 1.0): 1.0, ("plain", 1.3): 1.0, ("macro", 1.0): 1.0, ("macro", 1.3): 1.0}
-    sw = _synthetic_sweep(centers, diverge={("macro", 2.0, 1.3, 1)})
-    assert sw.losses("macro", 1.3, 2.0)[1] == 9.0
-    assert sw.losses("macro", 1.3, 2.0)[0] == pytest.approx(3.0 + math.log(2.0) ** 2)
+    sw = _synthetic_sweep({"plain": 1.0, "macro": 1.0}, diverge={("macro", 2.5, 1.3, 1)})
+    assert sw.losses("macro", 1.3, 2.5)[1] == 9.0 and sw.diverged("macro", 1.3, 2.5) == 1
+    assert sw.losses("macro", 1.3, 2.5)[0] == pytest.approx(3.0 + math.log(2.5) ** 2)
 
 
 def test_sweep_rows_hold_every_run_once():
-    centers = {("plain", 1.0): 1.0, ("plain", 1.3): 1.0, ("macro", 1.0): 1.0, ("macro", 1.3): 1.0}
-    sw = _synthetic_sweep(centers, diverge={("macro", 2.0, 1.3, 1)})
+    sw = _synthetic_sweep({"plain": 1.0, "macro": 1.0}, diverge={("macro", 2.5, 1.3, 1)})
     rows = sw.rows()
     assert len(rows) == len(sw.results)
     keys = {(r["stack"], r["lr_multiplier"], r["warmup_factor"], r["seed"]) for r in rows}
     assert keys == set(sw.results)
     diverged = [r for r in rows if r["diverged_at"] is not None]
     assert [(r["stack"], r["lr_multiplier"], r["warmup_factor"], r["seed"]) for r in diverged] == [
-        ("macro", 2.0, 1.3, 1)]
-    assert all(r["spike_triggers"] == (2 if r["stack"] == "macro" and r["seed"] == 0 else 0) for r in rows)
+        ("macro", 2.5, 1.3, 1)]
+
+
+def test_plot_and_texts_render(tmp_path):
+    sw = _synthetic_sweep({"plain": 1.0, "macro": 1.3}, diverge={("macro", 2.5, 1.3, 1)})
+    for k in list(sw.results):
+        sw.results[k].series["lr"] = [1e-3, 5e-4]
+    a = cr.analyse(sw)
+    fig = cr.plot(sw, a)
+    fig.savefig(tmp_path / "c10.png")
+    panels, twin = fig.axes[:4], fig.axes[4]  # the spike-guard panel's loss axis shares its x axis
+    assert all(ax.get_xlabel() and ax.get_ylabel() for ax in panels) and twin.get_ylabel()
+    shift = panels[1]  # the graded shift's axis holds the post's band, the estimate and its interval
+    e = a.estimates["best_lr_multiplier"]
+    low, high = shift.get_ylim()
+    assert low <= 1.2 and high >= 1.5 and low <= e.low <= e.high <= high
+    texts = cr.verdict_texts(sw, a)
+    assert "1.3" in texts["measured_text"] and "paired seeds" in texts["scale"]
+    assert "best_lr_multiplier" in cr.text(sw, a)
 
 
 def test_settings_name_the_field_that_is_wrong():
     good = dict(seeds=1, n_layers=2, width=32, n_heads=2, seq_len=16, batch_size=8, steps=10, base_lr=1e-2,
-                warmup_steps=1, lr_multipliers=[1.0], eval_batches=1, device="cpu", threads=1)
-    assert cr.RecipeSettings.from_params(dict(good, profile="ci")).lr_multipliers == (1.0,)
+                warmup_steps=1, lr_multipliers=[0.5, 1.0, 1.35], eval_batches=1, device="cpu", threads=1)
+    assert cr.RecipeSettings.from_params(dict(good, profile="ci")).lr_multipliers == (0.5, 1.0, 1.35)
     with pytest.raises(ValueError, match="stacks"):
         cr.RecipeSettings.from_params(dict(good, stacks=["plain", "deepspeed"]))
+    with pytest.raises(ValueError, match="stacks"):
+        cr.RecipeSettings.from_params(dict(good, stacks=["plain", "mvas"]))  # the graded pair needs macro
+    with pytest.raises(ValueError, match="lr_multipliers"):
+        cr.RecipeSettings.from_params(dict(good, lr_multipliers=[0.5, 1.0, 1.5]))  # no 1.35: no recipe point
+    with pytest.raises(ValueError, match="lr_multipliers"):
+        cr.RecipeSettings.from_params(dict(good, lr_multipliers=[1.0, 0.5, 1.35]))  # not increasing
+    with pytest.raises(ValueError, match="max_grid_points"):
+        cr.RecipeSettings.from_params(dict(good, max_grid_points=2))  # fewer than the starting grid
+    with pytest.raises(ValueError, match="warmup_multipliers"):
+        cr.RecipeSettings.from_params(dict(good, warmup_multipliers=[0.7]))
     with pytest.raises(ValueError, match="'base_lrs'"):
         cr.RecipeSettings.from_params(dict(good, base_lrs=[1e-2]))  # a key no setting has
     with pytest.raises(ValueError, match="'steps'"):

@@ -1,7 +1,7 @@
-"""Notebook 04's harness on a toy decoder: the training loop, the measurements and the figure's notes."""
+"""Notebook 04's harness on a toy decoder: the training loop, the measurements, the graded factor over seeds and the
+figure."""
 
 import copy
-import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +12,10 @@ from matplotlib.figure import Figure
 from macroarch.experiments import dgr_variance as dv
 from macroarch.measure.gradients import minibatch_gradient_variance
 from macroarch.measure.workload import lm_loss
+from macroarch.repro.claims import get_claim, regrade_leaving_out
+
+SETTINGS = dv.DGRVarianceSettings(n_layers=4, width=16, seq_len=16, batch_size=2, steps=4, group_size=2,
+                                  measure_every=2, variance_batches=3, threads=1, seeds=3, n_heads=2, lr=1e-2)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,17 +29,25 @@ def _one_thread_for_the_module():
 
 
 @pytest.fixture(scope="module")
-def setup():
+def text():
     g = torch.Generator().manual_seed(0)
-    text = SimpleNamespace(train=torch.randint(0, 256, (4000,), generator=g),
+    return SimpleNamespace(train=torch.randint(0, 256, (4000,), generator=g),
                            val=torch.randint(0, 256, (2000,), generator=g))
-    return dv.setup(text, n_layers=4, width=16, n_heads=2, seq_len=16, batch_size=2, steps=4, variance_batches=3,
-                    seed=0)
 
 
 @pytest.fixture(scope="module")
-def comparison(setup):
-    return dv.train_variants(setup, group_size=2, lr=1e-2, measure_every=2)
+def seeds(text):
+    return dv.train_seeds(text, SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def setup(seeds):
+    return seeds.setups[0]
+
+
+@pytest.fixture(scope="module")
+def comparison(seeds):
+    return seeds.first
 
 
 @pytest.fixture(scope="module")
@@ -70,34 +82,53 @@ def test_plain_run_is_adamw_written_out_and_measured_where_asked(setup, comparis
 
 def test_measurement_at_step_zero_is_the_same_for_every_variant(comparison):
     first = {v: r.history[0] for v, r in comparison.runs.items()}
+    assert set(first) == set(dv.TRAINED) and "DGR sync" not in first  # sync is plain's computation, not trained
     assert len({(m.trace, m.layer_log_std) for m in first.values()}) == 1
-    assert comparison.runs["plain"].groups is None and comparison.runs["DGR sync"].groups >= 4 // 2  # 4 blocks / 2
+    assert comparison.runs["plain"].groups is None and comparison.runs[dv.GRADED].groups >= 4 // 2  # 4 blocks / 2
 
 
-def test_metrics_follow_the_definitions(comparison):
-    m = comparison.metrics()
-    plain = np.array([h.trace for h in comparison.runs["plain"].history[1:]])
-    graded = np.array([h.trace for h in comparison.runs[dv.GRADED].history[1:]])
-    assert m["variance_reduction_factor"] == pytest.approx(np.mean(plain / graded), rel=1e-12)
-    assert m["sync_weights_identical"] == 1 and m["DGR_sync_trace_factor"] == 1.0
-    assert m["plain_final_loss"] == np.mean(comparison.runs["plain"].losses[-5:])
-    rows = comparison.series()
-    assert (0, {"plain_loss": comparison.runs["plain"].losses[0]}) in rows
-    assert sum("DGR_sync_variance_trace" in values for _, values in rows) == 3
+def test_seeds_pair_plain_and_dgr_and_differ_from_each_other(text, seeds):
+    assert seeds.seeds == (0, 1, 2)
+    assert [set(c.runs) for c in seeds.comparisons] == [set(dv.TRAINED), {"plain", dv.GRADED}, {"plain", dv.GRADED}]
+    for c in seeds.comparisons:  # paired: the same initial weights, batches and held-out set within a seed
+        assert c.runs["plain"].history[0] == c.runs[dv.GRADED].history[0]
+        assert c.runs["plain"].losses[0] == c.runs[dv.GRADED].losses[0]
+    assert seeds.comparisons[1].runs["plain"].losses[0] != seeds.comparisons[2].runs["plain"].losses[0]
+    again = dv.setup(text, SETTINGS, 2)
+    assert all(torch.equal(a, b) for a, b in zip(again.initial.parameters(), seeds.setups[2].initial.parameters()))
+    assert not torch.equal(seeds.setups[1].held_out[0][0], seeds.setups[2].held_out[0][0])
 
 
-def test_the_figure_says_which_runs_coincide(comparison):
-    assert comparison.coincides_with("plain") is None
-    assert comparison.coincides_with("DGR sync") == ("plain", 0.0)
-    near = dataclasses.replace(comparison.runs["DGR sync"], losses=[x * 1.001 for x in comparison.runs["plain"].losses])
-    far = dataclasses.replace(comparison.runs["DGR sync"], losses=[x * 2 for x in comparison.runs["plain"].losses])
-    assert dv.Comparison({"plain": comparison.runs["plain"], "x": near}).coincides_with("x")[1] == pytest.approx(
-        0.001 / 1.001)
-    assert dv.Comparison({"plain": comparison.runs["plain"], "x": far}).coincides_with("x") is None
-    fig = dv.plot_variance(comparison)
-    labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
-    assert "DGR sync (identical to plain: drawn on top of it)" in labels
+def test_graded_factor_is_a_t_interval_over_per_seed_factors(seeds):
+    per_seed = []
+    for c in seeds.comparisons:
+        plain = np.array([h.trace for h in c.runs["plain"].history[1:]])
+        graded = np.array([h.trace for h in c.runs[dv.GRADED].history[1:]])
+        per_seed.append(float(np.mean(plain / graded)))
+    assert seeds.factors == pytest.approx(per_seed, rel=1e-12)
+    e = seeds.estimates()["variance_reduction_factor"]
+    assert e.n == 3 and e.value == pytest.approx(np.mean(per_seed)) and e.low < e.value < e.high
+    assert e.high - e.value == pytest.approx(2.919986 * np.std(per_seed, ddof=1) / np.sqrt(3), rel=1e-5)
+    m = seeds.metrics()
+    assert "variance_reduction_factor" not in m and "DGR_sync_trace_factor" not in m  # no identity as a measurement
+    assert m["seeds"] == 3 and [r["seed"] for r in seeds.rows()] == [0, 1, 2]
+    assert regrade_leaving_out("C6", seeds.repeated()).grade == \
+        get_claim("C6").grade(seeds.estimates(), scale="toy").grade
+    rows = seeds.first.series()
+    assert (0, {"plain_loss": seeds.first.runs["plain"].losses[0]}) in rows
+    assert sum("DGR_interleaved_DC_ASGD_variance_trace" in values for _, values in rows) == 3
+
+
+def test_the_figure_shows_the_graded_factor_and_keeps_legends_off_the_axes(seeds):
+    fig = dv.plot_variance(seeds)
     assert isinstance(fig, Figure)
+    assert all(ax.get_ylabel() for ax in fig.axes)
+    assert fig.legends and all(ax.get_legend() is None for ax in fig.axes[:3])  # one figure legend, below the axes
+    graded = fig.axes[3]
+    assert graded.get_legend() is not None
+    legend_box = graded.get_legend().get_window_extent(fig.canvas.get_renderer())
+    assert legend_box.y1 <= graded.get_window_extent(fig.canvas.get_renderer()).y0  # below its axes, covers nothing
+    assert any("n=3" in t.get_text() for t in graded.get_legend().get_texts())
 
 
 def test_gradient_memory_plain_holds_every_gradient_dgr_one_group(setup, memory):
@@ -105,9 +136,11 @@ def test_gradient_memory_plain_holds_every_gradient_dgr_one_group(setup, memory)
     assert m["plain_peak_grad_bytes"] == 4 * setup.n_params  # fp32 gradients of every parameter at once
     assert m["dgr_sync_peak_grad_bytes"] < m["plain_peak_grad_bytes"]
     assert memory.grad_ratio > 1 and "x less" in memory.text()
+    assert memory.sync_identical and m["sync_weights_identical"] == 1  # the identity, checked
 
 
-def test_c6_texts(setup, comparison, memory):
-    texts = dv.c6_texts(setup, comparison, memory, comparison.metrics() | memory.metrics(), group_size=2, steps=4)
+def test_c6_texts(seeds, memory):
+    texts = dv.c6_texts(seeds, memory, SETTINGS)
     assert "4-layer GPT-2-style decoder, width 16" in texts["scale"] and "2x16 bytes" in texts["scale"]
-    assert f"{comparison.metrics()['variance_reduction_factor']:.3f}x" in texts["measured_text"]
+    assert "3 seeds" in texts["scale"] and "n=3" in texts["measured_text"]
+    assert "sync" not in texts["measured_text"] and "1 by construction" in texts["note"]

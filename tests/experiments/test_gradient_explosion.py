@@ -1,6 +1,8 @@
-"""Notebook 01's harness at toy sizes, against hand-written references (closed forms, explicit loops)."""
+"""Notebook 01's harness at toy sizes, against hand-written references (closed forms, explicit loops), and its
+graded numbers as estimates over paired seeds."""
 
 import copy
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -14,6 +16,14 @@ from macroarch.experiments import gradient_explosion as gx
 from macroarch.measure.clipping import steps_to_target
 from macroarch.measure.gradients import controlled_stack
 from macroarch.models import HCTransformerLM, bert_small_config, build_bert_mlm, composite_gain, mlm_loss
+from macroarch.repro.claims import get_claim, regrade_leaving_out
+
+SETTINGS = gx.GradientExplosionSettings(
+    stack_depth=6, jacobian_layers=2, transformer_layers=3, transformer_batches=1, seq_len=16, batch_size=2,
+    c3_steps=12, c3_thresholds=(0.5, 1.0, 1e9), c3_hidden=16, c3_layers=1, c3_batch=2, bert_large_steps=0,
+    bert_large_batch=2, device="cpu", r1_steps=3, r1_layers=1, r1_width=16, r1_gain_every=5, r1_eval_batches=1,
+    sigmas=(0.5, 2.0), stack_width=4, stack_batch=2, c2_seeds=3, transformer_width=16, c3_seeds=3, r1_seeds=3,
+    n_streams=2, adamw_lr=1e-2, corpus="toy")
 
 
 @pytest.fixture(scope="module")
@@ -57,22 +67,43 @@ def test_linear_stacks_grow_by_exactly_log_sigma_per_layer():
     assert set(stacks.jacobian_rate) == {0.9, 1.0, 1.1}
 
 
-def test_c2_metrics_texts_and_figure(text):
-    stacks = gx.stack_profiles([0.5, 2.0], depth=6, width=4, batch=2, jacobian_layers=2, seed=0)
-    transformers = gx.transformer_profiles(text, layers=3, width=16, seq_len=16, batch_size=2, n_batches=1, seed=0)
+@pytest.fixture(scope="module")
+def stacks():
+    return gx.stack_seeds(SETTINGS)
+
+
+def test_c2_estimates_are_t_intervals_over_per_seed_errors(stacks):
+    assert stacks.seeds == (0, 1, 2)
+    for i, seed in enumerate(stacks.seeds):  # each seed is stack_profiles at that seed (Jacobians at the first only)
+        alone = gx.stack_profiles([0.5, 2.0], 6, 4, 2, 2 if i == 0 else 0, seed)
+        assert alone.rel_error("mlp") == stacks.profiles[i].rel_error("mlp")
+    assert set(stacks.profiles[0].jacobian_rate) == {0.5, 2.0} and stacks.profiles[1].jacobian_rate == {}
+    e = stacks.estimates()
+    mlp = [max(abs(p.fits["mlp", s].rate - math.log(s)) / abs(math.log(s)) for s in (0.5, 2.0))
+           for p in stacks.profiles]
+    m = e["mlp_rate_rel_error"]
+    assert m.n == 3 and m.value == pytest.approx(np.mean(mlp)) and m.low < m.value < m.high
+    half = 2.919986 * np.std(mlp, ddof=1) / math.sqrt(3)  # t(0.95, 2 dof): the 90% two-sided interval
+    assert m.high - m.value == pytest.approx(half, rel=1e-5)
+    assert e["rate_rel_error"].n == 3 and e["rate_rel_error"].high < 1e-10  # linear stacks: exact to rounding
+    assert [r["seed"] for r in stacks.rows()] == [0, 1, 2]
+    assert regrade_leaving_out("C2", stacks.repeated()).grade == get_claim("C2").grade(e, scale="toy").grade
+
+
+def test_c2_metrics_texts_and_figure(text, stacks):
+    transformers = gx.transformer_profiles(text, SETTINGS)
     assert {k: len(v) for k, v in transformers.norms.items()} == {gx.PRE_LN: 3, gx.POST_LN: 3}
     m = gx.c2_metrics(stacks, transformers)
-    assert m["linear_rate_sigma0p5"] == stacks.fits["linear", 0.5].rate
-    assert m["rate_rel_error"] == stacks.rel_error("linear")
-    assert m["mlp_rate_rel_error"] == max(abs(stacks.fits["mlp", s].rate - math.log(s)) / abs(math.log(s))
-                                          for s in (0.5, 2.0))
+    assert m["linear_rate_sigma0p5"] == stacks.first.fits["linear", 0.5].rate
+    assert "rate_rel_error" not in m and m["c2_seeds"] == 3  # graded as an estimate, not a bare number
     assert m["pre_ln_first_over_last"] == pytest.approx(float(transformers.norms[gx.PRE_LN][0]
                                                               / transformers.norms[gx.PRE_LN][-1]))
     texts = gx.c2_texts(stacks, transformers, "toy")
-    assert f"{m['mlp_rate_rel_error']:.3f}" in texts["measured_text"] and "rate_rel_error" not in texts["measured_text"]
-    assert "tanh stacks" in texts["measured_text"] and "toy corpus" in texts["scale"]
+    assert "n=3" in texts["measured_text"] and "tanh stacks" in texts["measured_text"]
+    assert "toy corpus" in texts["scale"] and "3 seeds" in texts["scale"]
     assert "fitted rate" in gx.c2_table(stacks, transformers)
-    assert isinstance(gx.plot_c2(stacks, transformers), Figure)
+    fig = gx.plot_c2(stacks, transformers)
+    assert isinstance(fig, Figure) and all(ax.get_ylabel() for ax in fig.axes)
 
 
 # ------------------------------------------------------------------------------------------------------ C3
@@ -115,8 +146,12 @@ def test_train_unclipped_is_plain_mlm_training_with_the_schedule(text):
 
 @pytest.fixture(scope="module")
 def sweep(text):
-    return gx.clipping_sweep(text, steps=12, thresholds=[0.5, 1.0, 1e9], hidden=16, layers=1, batch_size=2,
-                             seq_len=16, adamw_lr=1e-2, sgd_lr=0.1, warmup_fraction=0.1, seed=0)
+    return gx.clipping_sweep(text, SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def clip_seeds(text, sweep):
+    return gx.clipping_seeds(text, SETTINGS, sweep)
 
 
 def test_a_threshold_never_reached_trains_exactly_like_no_clipping(sweep):
@@ -128,26 +163,50 @@ def test_a_threshold_never_reached_trains_exactly_like_no_clipping(sweep):
     assert sweep.steps_to_target["SGD", None] is not None
 
 
-def test_c3_metrics_follow_the_definitions(sweep):
+def test_c3_metrics_follow_the_definitions(sweep, clip_seeds):
     m = gx.c3_metrics(sweep)
     target = float(np.mean(sweep.unclipped["AdamW"][-10:]))  # 10% of 12 steps is under the 10-step window
     ref = steps_to_target(sweep.unclipped["AdamW"], target, window=10)
     reached = steps_to_target(sweep.traces["AdamW", 1.0].loss, target, window=10)
     assert m["target_loss"] == target
-    assert m["convergence_slowdown"] == (reached if reached is not None else 13) / max(1, ref or 12)
-    assert m["effective_lr_reduction"] == 1 - np.nanmean(sweep.traces["AdamW", 1.0].update_ratio)
+    first = clip_seeds.runs[0]
+    assert first.slowdown == (reached if reached is not None else 13) / max(1, ref or 12)
+    assert first.effective_lr_reduction == 1 - np.nanmean(sweep.traces["AdamW", 1.0].update_ratio)
+    assert m["AdamW_clip1_slowdown"] == first.slowdown
     assert m["SGD_clip0p5_clip_fraction"] == sweep.traces["SGD", 0.5].clipped.mean()
     assert m["AdamW_clip1e+09_clip_fraction"] == 0.0
-    texts = gx.c3_texts(sweep, None, layers=1, hidden=16, batch_size=2, seq_len=16, adamw_lr=1e-2, corpus="toy")
-    assert f"{m['convergence_slowdown']:.2f}" in texts["measured_text"]
+    assert "effective_lr_reduction" not in m and "convergence_slowdown" not in m  # estimates, not bare numbers
+    texts = gx.c3_texts(sweep, clip_seeds, None, SETTINGS)
+    assert "n=3" in texts["measured_text"] and "3 seeds" in texts["scale"]
     assert "never" in gx.c3_table(sweep) or "none" in gx.c3_table(sweep)
-    assert isinstance(gx.plot_c3(sweep), Figure)
+    fig = gx.plot_c3(sweep, clip_seeds)
+    assert isinstance(fig, Figure) and all(ax.get_ylabel() for ax in fig.axes)
+
+
+def test_c3_seeds_pair_clipped_and_unclipped_and_give_intervals(text, clip_seeds):
+    assert [r.seed for r in clip_seeds.runs] == [0, 1, 2]
+    for r in clip_seeds.runs:
+        # the same initial weights, batch and dropout seed: the first loss (before any update) is the same number
+        assert r.trace.loss[0] == r.unclipped[0]
+    assert clip_seeds.runs[1].unclipped[0] != clip_seeds.runs[2].unclipped[0]  # seeds differ
+    # seed 1 by hand: the unclipped run is train_unclipped from that seed's model and batches
+    batches = list(mlm_batches(text.train, 2, 16, seed=1, steps=12))
+    config = bert_small_config(MLM_VOCAB_SIZE, hidden=16, layers=1, heads=4, max_len=16, pad_token_id=PAD_ID)
+    losses = gx.train_unclipped(build_bert_mlm(config, seed=1), gx.make_optimizer("AdamW", 1e-2, 0.1), batches,
+                                gx.bert_schedule(12, 1), seed=1)
+    assert np.allclose(losses, clip_seeds.runs[1].unclipped, rtol=1e-6, atol=0)  # threads: summation order
+    e = clip_seeds.estimates()
+    for key, values in (("effective_lr_reduction", clip_seeds.reductions),
+                        ("convergence_slowdown", clip_seeds.slowdowns)):
+        assert e[key].n == 3 and e[key].value == pytest.approx(np.mean(values)) and e[key].has_interval
+    assert [row["seed"] for row in clip_seeds.rows()] == [0, 1, 2]
+    assert regrade_leaving_out("C3", clip_seeds.repeated()).grade == get_claim("C3").grade(e, scale="toy").grade
 
 
 def test_c3_needs_the_graded_threshold(sweep):
     with pytest.raises(ValueError, match="1.0"):
         gx.c3_metrics(gx.ClippingSweep((0.5,), 12, 1, {}, {}, {}, {}, {}))
-    assert gx.bert_large_probe(None, 0, 4, 16, 0, "cpu") is None
+    assert gx.bert_large_probe(None, SETTINGS) is None
 
 
 # ------------------------------------------------------------------------------------------------------ R1
@@ -174,16 +233,44 @@ def test_train_residual_records_the_gradient_before_each_step_and_gains_where_as
     assert run.final_gain.peak == pytest.approx(composite_gain(model).peak, rel=1e-5)
 
 
-def test_r1_metrics_series_and_figure(text):
-    runs = gx.residual_runs(text, steps=3, lr=3e-3, layers=1, width=16, n_streams=2, seq_len=16, batch_size=2,
-                            gain_every=5, n_eval_batches=1, seed=0)
+@pytest.fixture(scope="module")
+def residual(text):
+    return gx.residual_seeds(text, SETTINGS)
+
+
+def test_r1_seeds_train_hc_and_mhc_at_every_seed_and_grade_per_seed_ratios(text, residual):
+    assert residual.seeds == (0, 1, 2)
+    assert set(residual.runs[0]) == {"residual", "hc", "mhc"} and set(residual.runs[1]) == {"hc", "mhc"}
+    again = gx.train_residual("mhc", text, steps=3, lr=3e-3, layers=1, width=16, n_streams=2, seq_len=16,
+                              batch_size=2, gain_every=5, n_eval_batches=1, seed=2)
+    assert again.losses == residual.runs[2]["mhc"].losses and again.gains == residual.runs[2]["mhc"].gains
+    e = residual.estimates()
+    hc, mhc = residual.peaks("hc"), residual.peaks("mhc")
+    ratio = e["hc_over_mhc_gain"]
+    assert ratio.n == 3 and ratio.value == pytest.approx(np.mean(np.divide(hc, mhc)))  # per-seed ratios, then mean
+    assert e["mhc_peak_gain"].n == 3 and e["mhc_peak_gain"].value == pytest.approx(np.mean(mhc))
+    assert all(x.has_interval for x in e.values())
+    assert [row["hc_over_mhc_gain"] for row in residual.rows()] == pytest.approx(list(np.divide(hc, mhc)))
+    graded = {k: v for k, v in e.items() if k != "hc_peak_gain"}
+    assert regrade_leaving_out("R1", residual.repeated()).grade == get_claim("R1").grade(graded, scale="toy").grade
+
+
+def test_r1_metrics_series_and_figure(residual):
+    runs = residual.first
     m = gx.r1_metrics(runs)
-    assert m["hc_over_mhc_gain"] == runs["hc"].peak_gain / runs["mhc"].peak_gain
+    assert "hc_over_mhc_gain" not in m  # an estimate over seeds, not the first seed's bare ratio
     assert m["residual_peak_gain_over_training"] == 1.0  # one stream: the mixing matrix is the identity
     rows = gx.r1_series(runs)
     assert len(rows) == 3 * 3 and rows[0] == (0, {"residual_loss": runs["residual"].losses[0],
                                                   "residual_grad_norm": runs["residual"].grad_norms[0],
                                                   "residual_peak_gain": 1.0})
     assert [("mhc_peak_gain" in values) for _, values in rows[-3:]] == [True, False, True]  # steps 0 and last
-    assert "HC" in gx.r1_texts(runs, layers=1, width=16, n_streams=2, steps=3, lr=3e-3, corpus="toy")["measured_text"]
-    assert isinstance(gx.plot_r1(runs), Figure)
+    texts = gx.r1_texts(residual, SETTINGS)
+    assert "HC / mHC per seed" in texts["measured_text"] and "3 seeds" in texts["scale"]
+    fig = gx.plot_r1(residual)
+    assert isinstance(fig, Figure) and all(ax.get_ylabel() for ax in fig.axes)
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="c3_thresholds"):
+        dataclasses.replace(SETTINGS, c3_thresholds=(0.5,))

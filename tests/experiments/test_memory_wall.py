@@ -1,4 +1,5 @@
-"""Notebook 02's harness on the tiny specs: bytes per parameter, the full-size rule, the checks that must fail."""
+"""Notebook 02's harness on the tiny specs: bytes per parameter, the full-size rule, the checks that must fail,
+and the reported total being the step's measured peak (never a sum of per-category maxima)."""
 
 import dataclasses
 import math
@@ -9,28 +10,47 @@ from matplotlib.figure import Figure
 from macroarch.experiments import memory_wall as mw
 from macroarch.models import get_model_spec
 
-PRECISIONS = ["post", "bf16_mixed"]
+PRECISIONS = ("post", "bf16_mixed")
+
+
+def _settings(measured_layers: int) -> mw.MemoryWallSettings:
+    return mw.MemoryWallSettings(measured_layers=measured_layers, device="cpu", model="gpt3_tiny", batch_size=2,
+                                 seq_len=32, precisions=PRECISIONS, c1_model="llama_10b_tiny", card_gb=1)
 
 
 @pytest.fixture(scope="module")
 def spec():
-    return get_model_spec("gpt3_tiny").scaled(n_layers=4)
+    return get_model_spec("gpt3_tiny")
 
 
 @pytest.fixture(scope="module")
-def accounting(spec):
-    return mw.analytic_accounting(spec, PRECISIONS, 2, 32, "cpu")
+def accounting():
+    return mw.analytic_accounting(_settings(1))
 
 
 @pytest.fixture(scope="module")
-def measured(spec):
-    return mw.measure_steps(mw.measured_spec(spec, 2), PRECISIONS, 2, 32, "cpu")
+def measured():
+    return mw.measure_steps(_settings(1))
+
+
+@pytest.fixture(scope="module")
+def whole():
+    return mw.measure_steps(_settings(0))
+
+
+def test_settings_refuse_what_the_claim_cannot_be_graded_on():
+    with pytest.raises(ValueError, match="precisions"):
+        dataclasses.replace(_settings(1), precisions=("post",))
+    with pytest.raises(ValueError, match="measured_layers"):
+        dataclasses.replace(_settings(1), measured_layers=10_000)
+    with pytest.raises(ValueError, match="c1_model"):
+        dataclasses.replace(_settings(1), c1_model="no_such_model")
 
 
 def test_measured_spec_keeps_the_width_and_cuts_the_depth(spec):
     assert mw.measured_spec(spec, 0) is spec
-    small = mw.measured_spec(spec, 2)
-    assert small.shape.n_layers == 2 and small.shape.d_model == spec.shape.d_model
+    small = _settings(1).measured_spec
+    assert small.shape.n_layers == 1 and small.shape.d_model == spec.shape.d_model
 
 
 def test_analytic_state_is_bytes_per_parameter_times_parameters(accounting):
@@ -66,30 +86,53 @@ def test_check_fails_when_the_accountings_disagree(measured):
         dataclasses.replace(measured, analytic_activations=acts).check()
 
 
-def test_headline_is_analytic_at_full_size_unless_the_whole_model_was_measured(spec, accounting, measured):
+def test_the_total_is_the_measured_peak_not_a_sum_of_category_maxima(accounting, whole):
+    estimates, m = mw.headline(accounting, whole, card_gb=1)
+    r = whole.reports["bf16_mixed"]
+    assert m["mixed_precision_peak_bytes"] == r.peak_bytes
+    assert sum(v for k, v in m.items() if k.startswith("mixed_precision_peak_") and k.endswith("_bytes")
+               and k != "mixed_precision_peak_bytes") == r.peak_bytes  # the breakdown at the peak sums to it
+    assert r.peak_bytes < sum(r.max_by_category.values())  # what the old "total" was: more than the step holds
+    assert m["cards_needed"] == math.ceil(r.peak_bytes / 1e9)
+    # the activations reported are the fake-tensor measurement; the analytic counts sit beside them
+    assert m["activation_bytes"] == r.activation_bytes
+    assert m["analytic_activation_bytes_gpu"] == accounting.activations_gpu["bf16_mixed"]
+    assert m["peak_measured_whole_model"] == 1
+
+
+def test_graded_state_is_exact_and_completed_analytically_below_full_depth(spec, accounting, measured, whole):
     n = accounting.n_params
-    act = accounting.activations_gpu["bf16_mixed"]
-    h = mw.headline(accounting, measured, card_gb=1)
-    assert h["post_accounting_bytes"] == 8 * n and h["mixed_precision_bytes"] == 16 * n
-    assert h["mixed_with_activations_bytes"] == 16 * n + act
-    assert h["cards_needed"] == math.ceil((16 * n + act) / 1e9)
-    whole = mw.measure_steps(spec, PRECISIONS, 2, 32, "cpu")
+    estimates, m = mw.headline(accounting, measured, card_gb=1)
+    post, mixed = estimates["post_accounting_bytes"], estimates["mixed_precision_bytes"]
+    assert post.is_exact and mixed.is_exact and post.n == 1 and mixed.method == "exact count"
+    assert post.value == 8 * n and mixed.value == 16 * n
+    assert m["peak_measured_whole_model"] == 0
+    # below full depth: measured at 1 layer plus the analytic bytes of the other; each layer saves the same bytes,
+    # so the activations equal the whole model's measurement, and the completed peak bounds its peak from above
+    assert m["activation_bytes"] == whole.reports["bf16_mixed"].activation_bytes
+    assert m["mixed_precision_peak_bytes"] >= whole.reports["bf16_mixed"].peak_bytes
     fake_counts = dataclasses.replace(accounting, state={p: {k: 0 for k in s} for p, s in accounting.state.items()})
-    assert mw.headline(fake_counts, whole, card_gb=1)["post_accounting_bytes"] == 8 * n  # read from the measurement
-    texts = mw.c4_texts(accounting, measured, h, 2, 32, 1)
-    assert "analytic (measured at 2 layers)" in texts["scale"]
-    assert f"{8 * n / 1e12:.3f} TB" in texts["measured_text"]
-    assert isinstance(mw.plot_bytes_by_category(accounting, measured, 2, 32, 1), Figure)
+    assert mw.headline(fake_counts, whole, card_gb=1)[0]["post_accounting_bytes"].value == 8 * n  # measured
+    texts = mw.c4_texts(accounting, measured, {**m, **{k: e.value for k, e in estimates.items()}}, _settings(1))
+    assert "measured at 1 layers" in texts["scale"] and "at most" in texts["measured_text"]
+    assert f"{8 * n / 1e12:.3f} TB" in texts["measured_text"] and "peaks at" in texts["measured_text"]
+    assert "measured" in texts["note"] and "analytic cross-check" in texts["note"]
+
+
+def test_figures_say_what_they_show(accounting, measured, whole):
+    fig = mw.plot_bytes_by_category(accounting, whole, _settings(0))
+    assert isinstance(fig, Figure) and "measured peak" in fig.axes[0].get_title()
+    assert "bound on the peak" in mw.plot_bytes_by_category(accounting, measured, _settings(1)).axes[0].get_title()
+    assert all(ax.get_ylabel() for ax in fig.axes)
     assert isinstance(mw.plot_phase_peaks(measured), Figure)
 
 
-def test_c1_baseline_is_mixed_precision_state_plus_gpu_activations():
-    spec = get_model_spec("llama_10b_tiny")
-    c1 = mw.c1_baseline(spec, 1, 2, 32, "cpu")
+def test_c1_baseline_is_mixed_precision_state_and_gpu_activations():
+    c1 = mw.c1_baseline(dataclasses.replace(_settings(1)))
     c1.check()
     m = c1.metrics()
     assert m["c1_baseline_state_bytes"] == 16 * m["c1_baseline_params"]
-    assert m["c1_baseline_total_bytes"] == m["c1_baseline_state_bytes"] + m["c1_baseline_activation_bytes"]
+    assert "c1_baseline_total_bytes" not in m  # a sum of state and activations is no measured total
     assert m["c1_baseline_state_exact"] == 1 and c1.measured_spec.shape.n_layers == 1
     with pytest.raises(AssertionError, match="llama_10b_tiny"):
         dataclasses.replace(c1, state_exact=False).check()

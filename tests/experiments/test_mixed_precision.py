@@ -10,6 +10,7 @@ import torch
 from model_zoo import alphabet_batches, tiny_gpt
 
 from macroarch.experiments import mixed_precision as mp
+from macroarch.repro.claims import GRADES, get_claim, regrade_leaving_out
 
 
 def test_accumulation_counts_see_the_same_tokens_per_update():
@@ -93,8 +94,12 @@ def test_settings_name_the_field_that_is_wrong():
         dataclasses.replace(SETTINGS, dtypes=("fp8",))
 
 
-def _setup(initial_loss=6.0):
-    return mp.Setup(SETTINGS, mp.Sizes(10, 10, False, "test", (10, 10)), None, [], [], 1000, initial_loss)
+SEEDS = (0, 1, 2, 3)
+
+
+def _setup(initial_loss=6.0, accumulation=(1, 2, 4, 8)):
+    settings = dataclasses.replace(SETTINGS, seeds=len(SEEDS), accumulation=accumulation)
+    return mp.Setup(settings, mp.Sizes(10, 10, False, "test", (10, 10)), None, {}, [], 1000, initial_loss)
 
 
 def _result(loss, diverged=False, lost=0.1):
@@ -102,30 +107,91 @@ def _result(loss, diverged=False, lost=0.1):
                         {"lost_update_fraction": math.nan if diverged else lost, "stalled_fraction": 0.0})
 
 
-def test_accumulation_metrics_grade_the_master_copy_by_k():
-    s = _setup()
-    # bf16: the master copy gains 0.01 below k = 4 and 0.05 from 4 on; master-copy losses spread by 0.001 over k.
-    master = {1: 3.000, 2: 3.001, 4: 3.002, 8: 3.003}
+def _accumulation(seed_gain_high, seed_gain_low, fp16_diverges=True):
+    """bf16: per seed, the master copy gains ``seed_gain_high[seed]`` from k = 4 on and ``seed_gain_low[seed]`` below;
+    each seed has its own loss level (shared by master on and off: it cancels in the pairing)."""
     results = {}
-    for k in (1, 2, 4, 8):
-        results[mp.run_name("bf16", True, k)] = _result(master[k])
-        results[mp.run_name("bf16", False, k)] = _result(master[k] + (0.05 if k >= 4 else 0.01))
-        results[mp.run_name("fp16", True, k)] = _result(3.0)
-        results[mp.run_name("fp16", False, k)] = _result(0.0, diverged=True)  # charged the initial loss, 6.0
-    m = mp.accumulation_metrics(s, mp.AccumulationSweep(_result(2.9), results))
-    assert m["master_copy_loss_gain"] == pytest.approx(0.05)
-    assert m["master_copy_loss_gain_below_4"] == pytest.approx(0.01)
-    assert m["master_copy_noise"] == pytest.approx(np.std([3.000, 3.001, 3.002, 3.003], ddof=1))
-    assert m["fp16_master_copy_loss_gain_at_4_plus"] == pytest.approx(3.0)
-    assert m["fp16_nomaster_diverged_runs"] == 4 and m["bf16_nomaster_diverged_runs"] == 0
+    for seed in SEEDS:
+        level = 3.0 + 0.1 * seed
+        for k in (1, 2, 4, 8):
+            master = level + 0.001 * k
+            results[mp.run_name("bf16", True, k), seed] = _result(master)
+            gain = seed_gain_high[seed] if k >= 4 else seed_gain_low[seed]
+            results[mp.run_name("bf16", False, k), seed] = _result(master + gain)
+            results[mp.run_name("fp16", True, k), seed] = _result(level)
+            results[mp.run_name("fp16", False, k), seed] = _result(0.0, diverged=fp16_diverges)
+    return mp.AccumulationSweep({seed: _result(2.9) for seed in SEEDS}, results)
+
+
+def test_master_copy_gains_are_paired_differences_over_seeds():
+    s = _setup()
+    high, low = [0.05, 0.04, 0.06, 0.05], [0.01, -0.01, 0.0, 0.005]
+    sweep = _accumulation(high, low)
+    est = mp.accumulation_estimates(s, sweep)
+    e = est["master_copy_loss_gain"]
+    # Reference: a t interval over the per-seed gains, by hand (the seed levels differ by 0.3: pairing removes them).
+    from scipy import stats
+
+    t = stats.t.ppf(0.95, len(SEEDS) - 1) * np.std(high, ddof=1) / math.sqrt(len(SEEDS))
+    assert e.value == pytest.approx(np.mean(high)) and e.n == len(SEEDS) and "paired" in e.method
+    assert (e.low, e.high) == (pytest.approx(np.mean(high) - t), pytest.approx(np.mean(high) + t))
+    assert est["master_copy_loss_gain_below_4"].value == pytest.approx(np.mean(low))
+    # fp16 without master diverges: charged the untrained 6.0, so its gain is 6.0 - 3.0 - 0.1 * seed on average.
+    assert est["fp16_master_copy_loss_gain_at_4_plus"].value == pytest.approx(6.0 - 3.0 - 0.1 * np.mean(SEEDS))
+    m = mp.accumulation_metrics(s, sweep)
+    assert m["fp16_nomaster_diverged_runs"] == 4 * len(SEEDS) and m["bf16_nomaster_diverged_runs"] == 0
     assert m["fp16_nomaster_k4_eval_loss"] == 6.0 and "fp16_nomaster_k4_lost_update_fraction" not in m
     assert m["fp32_reference_eval_loss"] == 2.9 and m["initial_eval_loss"] == 6.0
+    verdict = get_claim("C8").grade({**m, **est, **mp.scaling_estimates(s, _scaling([1.0, 1.001, 0.999, 1.0]))},
+                                    scale="t")
+    assert verdict.estimates["master_copy_loss_gain"]["n"] == len(SEEDS)
 
 
-def test_scaling_metrics_compare_gradscaler_with_the_rule():
+def _scaling(ratios):
+    runs = {}
+    for seed, ratio in zip(SEEDS, ratios):
+        for method, loss in (("none", 3.0), ("gradscaler", 3.0 * ratio), ("norm_rule", 3.0)):
+            runs[method, seed] = mp.RunResult([1.0], loss, None, 0.0, {"overflow_steps": 0, "underflow_fraction": 0.0,
+                                                                       "grad_rel_error": 0.0, "final_scale": 1.0},
+                                              {"scale": [1.0, 1.0]})
+    return runs
+
+
+def test_scale_rule_ratio_is_a_t_interval_over_seeds():
     s = _setup()
-    runs = {method: mp.RunResult([1.0], loss, None, 0.0, {"overflow_steps": 0, "underflow_fraction": 0.0,
-                                                         "grad_rel_error": 0.0, "final_scale": 1.0})
-            for method, loss in (("none", 3.0), ("gradscaler", 3.3), ("norm_rule", 3.0))}
-    m = mp.scaling_metrics(s, runs)
-    assert m["scale_rule_vs_gradscaler"] == pytest.approx(1.1) and m["gradscaler_eval_loss"] == 3.3
+    ratios = [1.1, 1.08, 1.12, 1.1]
+    e = mp.scaling_estimates(s, _scaling(ratios))["scale_rule_vs_gradscaler"]
+    assert e.value == pytest.approx(np.mean(ratios)) and e.n == len(SEEDS) and e.low < e.value < e.high
+    assert mp.scaling_metrics(s, _scaling(ratios))["gradscaler_eval_loss"] == pytest.approx(3.0 * np.mean(ratios))
+
+
+def test_leaving_a_seed_out_rebuilds_the_graded_estimates():
+    s = _setup()
+    sweep, scaling = _accumulation([0.05, 0.04, 0.06, 0.05], [0.001, -0.001, 0.0, 0.0005]), _scaling([1.0] * 4)
+    rep = mp.repeated(s, sweep, scaling)
+    assert set(rep) == {"master_copy_loss_gain", "master_copy_loss_gain_below_4", "scale_rule_vs_gradscaler"}
+    assert rep["master_copy_loss_gain"].estimate().value == pytest.approx(0.05)
+    assert rep["master_copy_loss_gain"].leaving_out(2).estimate().value == pytest.approx(np.mean([0.05, 0.04, 0.05]))
+    assert regrade_leaving_out("C8", rep).grade in GRADES
+
+
+def test_paired_seeds_share_initial_weights_and_batches():
+    settings = dataclasses.replace(SETTINGS, seeds=2, steps=2, scaling_steps=2, emulated_steps=2)
+    s = mp.setup(settings, mp.run_sizes(settings))
+    a, b, c = s.build("bf16", 0), s.build("bf16", 0), s.build("bf16", 1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+    assert set(s.train) == {0, 1} and not torch.equal(s.train[0][0][0], s.train[1][0][0])
+    fp32 = s.build("fp32", 0)
+    assert all(torch.equal(x.to(torch.bfloat16), y) for x, y in zip(fp32.parameters(), a.parameters()))
+
+
+def test_the_figure_marks_diverged_runs_and_scales_to_the_graded_gain(tmp_path):
+    s = _setup()
+    fig = mp.plot(s, _accumulation([0.05, 0.04, 0.06, 0.05], [0.01, -0.01, 0.0, 0.005]), _scaling([1.0] * 4))
+    fig.savefig(tmp_path / "c8.png")
+    gain_axis = fig.axes[0]
+    low, high = gain_axis.get_ylim()
+    assert high - low < 0.2  # the 0.05-nat gain is visible: the diverged fp16 runs (a 3-nat "gain") are not plotted
+    assert any("diverged" in t.get_text() for t in gain_axis.texts)
+    assert all(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes if ax.get_xticks().size)

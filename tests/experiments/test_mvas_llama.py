@@ -1,10 +1,14 @@
 """Notebook 05's harness (C7, C1): the variants stacked by compose.apply train exactly as the hand-built stack
-does, the fair baseline follows the compute dtype, full-size memory on a tiny stand-in, the accountings, and the
-C7 figure's labels."""
+does, paired seeds share initial weights and held-out batches, the mirrored lock step gives ABBA timing blocks, the
+estimates are the paired gaps and block ratios recomputed here by hand, the fair baseline follows the compute dtype,
+full-size memory is the measured peak (not a sum of per-category maxima) on a tiny stand-in, the accountings, and
+the figures show the graded numbers with their intervals, legends clear of the data."""
 
 import copy
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,31 +16,41 @@ from macroarch import mvas
 from macroarch.dgr import DGRWrapper
 from macroarch.experiments import mvas_llama as ml
 from macroarch.experiments.loop import train_round_robin
-from macroarch.measure.memory import parameter_count
+from macroarch.measure.memory import CATEGORIES, MemoryReport, PhasePeak, measure_training_step, parameter_count
+from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import MasterWeightAdamW
+from macroarch.repro.claims import INCONCLUSIVE, get_claim
 
-SETTINGS = ml.MVASLlamaSettings(layers=2, width=64, heads=2, seq_len=16, batch_size=2, steps=6, lr=2e-3,
+SETTINGS = ml.MVASLlamaSettings(layers=2, width=64, heads=2, seq_len=16, batch_size=2, steps=6, seeds=1, lr=2e-3,
                                 importance_batches=2, weight_bytes=0.9, replan_every=2, n_eval_batches=1,
                                 compute_dtype="bfloat16", device="cpu", big_model="llama_65b_tiny",
                                 c1_model="llama_10b_tiny", big_seq_len=32)
 
 
-def _small(**overrides):
+def _small(seed=0, **overrides):
+    """One seed's small Llama without the corpus: weights and training batches from ``seed``, held-out batches
+    the same for every seed (as ``small_llama`` makes them)."""
     s = dataclasses.replace(SETTINGS, **overrides)
     spec = get_model_spec("llama_65b_tiny").scaled(n_layers=s.layers, d_model=s.width, n_heads=s.heads,
                                                     n_kv_heads=s.heads, d_ff=160, max_seq_len=s.seq_len)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     initial = spec.build().to(dtype=getattr(torch, s.compute_dtype))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     batches = [(ids, ids.clone()) for ids in (torch.randint(0, 256, (2, 16), generator=g) for _ in range(s.steps))]
-    return ml.SmallLlama(s, initial, batches, batches[:1])
+    held = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1000))
+    return ml.SmallLlama(s, initial, batches, [(held, held.clone())], seed)
+
+
+def _training(seeds=2, **overrides):
+    small = _small(0, seeds=seeds, **overrides)
+    return small, ml.train_seeds(small, ml.first_plan(small), build=lambda seed: _small(seed, seeds=seeds, **overrides))
 
 
 def test_composed_variants_train_exactly_as_the_hand_built_stack():
     small = _small()
     plan = ml.first_plan(small)
-    training = ml.train_variants(small, plan)
+    run = ml.train_variants(small, plan)
     # The stack as notebook 05 used to build it by hand: store, schedule (before DGR's hooks), DGR, MVASAdamW.
     runs, schedules = {}, []
     for dgr in (False, True):
@@ -52,56 +66,150 @@ def test_composed_variants_train_exactly_as_the_hand_built_stack():
     logs = train_round_robin(runs, small.train, after_step={name: (lambda step, loss, s=s: s.step())
                                                             for name, s in zip(runs, schedules)})
     for name in runs:
-        assert training.logs[name].losses == logs[name].losses
-    assert [len(s.history) for s in schedules] == [len(training.stacks[n].schedule.history) for n in runs]
-    assert isinstance(training.stacks["MVAS + DGR"].model, DGRWrapper)
+        assert run.logs[name].losses == logs[name].losses
+    assert [len(s.history) for s in schedules] == [len(run.stacks[n].schedule.history) for n in runs]
+    assert isinstance(run.stacks["MVAS + DGR"].model, DGRWrapper)
+    assert list(run.stacks) == ["AdamW bf16 + fp32 master", "MVAS", "MVAS + DGR"]
+    assert isinstance(run.stacks["AdamW bf16 + fp32 master"].optimizer, MasterWeightAdamW)
+    assert set(run.results["MVAS"]) == {"eval_loss", "accuracy"}
 
-    assert training.baseline == "AdamW bf16 + fp32 master"
-    assert isinstance(training.stacks[training.baseline].optimizer, MasterWeightAdamW)
+
+def test_paired_seeds_share_initial_weights_and_held_out_batches():
+    small, training = _training(seeds=2, compute_dtype="float32")
+    assert training.seeds == [0, 1]
+    for r in training.runs:
+        start = _small(r.seed, compute_dtype="float32")
+        # every variant of a seed starts from that seed's weights on its first batch: the fp32 baseline exactly,
+        # MVAS from the same weights packed (fp8/fp4 rounding)
+        first = float(lm_loss(start.initial, start.train[0]))
+        assert r.logs["AdamW fp32"].losses[0] == pytest.approx(first, rel=1e-6)
+        for name in ml.VARIANTS:
+            assert r.logs[name].losses[0] == pytest.approx(first, rel=0.05)
+    seed0, seed1 = training.runs
+    assert seed0.logs["AdamW fp32"].losses[0] != seed1.logs["AdamW fp32"].losses[0]  # other weights and batches
+    assert torch.equal(_small(0).held_out[0][0], _small(1).held_out[0][0])  # the same evaluation for every seed
+
+
+def test_mirrored_lock_step_makes_abba_blocks(monkeypatch):
+    order = []
+
+    def step(model, optimizer, batch):
+        order.append(model.name)
+        return 1.0
+
+    class Stack:
+        def __init__(self, name):
+            self.model, self.optimizer = torch.nn.Linear(1, 1), None
+            self.model.name, self.after = name, 0
+
+        def after_step(self):
+            self.after += 1
+
+    monkeypatch.setattr(ml, "lm_step", step)
+    stacks = {n: Stack(n) for n in "ABC"}
+    logs = ml._train_mirrored(stacks, [None] * 4, desc="test")
+    assert "".join(order) == "ABCCBA" * 2
+    assert all(s.after == 4 for s in stacks.values()) and all(len(log.seconds) == 4 for log in logs.values())
+
+
+def test_estimates_are_paired_gaps_and_block_ratios():
+    small, training = _training(seeds=3, compute_dtype="float32")
+    est = training.estimates()
+    rows = training.seed_rows()
+    acc = {(r["seed"], r["variant"]): r["accuracy"] for r in rows}
+    for name, prefix in (("MVAS", ""), ("MVAS + DGR", "mvas_dgr_")):
+        gap = est[prefix + "accuracy_gap"]
+        per_seed = [acc[s, "AdamW fp32"] - acc[s, name] for s in (0, 1, 2)]
+        assert gap.n == 3 and gap.has_interval and gap.method == "paired t over seeds"
+        assert gap.value == pytest.approx(np.mean(per_seed), abs=1e-12)
+        ratio = est[prefix + "speed_ratio"]
+        blocks = [(r.logs["AdamW fp32"].seconds[2 * j] + r.logs["AdamW fp32"].seconds[2 * j + 1],
+                   r.logs[name].seconds[2 * j] + r.logs[name].seconds[2 * j + 1])
+                  for r in training.runs for j in range(ml.WARMUP_BLOCKS, SETTINGS.steps // 2)]
+        assert ratio.n == len(blocks) == 3 * (SETTINGS.steps // 2 - ml.WARMUP_BLOCKS) and ratio.log_scale
+        assert ratio.value == pytest.approx(math.exp(np.mean([math.log(a / b) for a, b in blocks])))
+        assert ratio.low < ratio.value < ratio.high
+    assert len(training.block_rows()) == 3 * (SETTINGS.steps // 2 - ml.WARMUP_BLOCKS)
+    big = _big(activations=190e9)
+    c1 = ml.c1_estimates(training, big)
+    assert c1["quality_gap"] == est["mvas_dgr_accuracy_gap"] and c1["memory_reduction"].is_exact
+    # the grader reads every estimate with its n; none of them is a bare single draw
+    verdict = get_claim("C7").grade({k: e.to_dict() for k, e in ml.c7_estimates(training, big).items()}, scale="t")
+    assert verdict.estimates["accuracy_gap"]["n"] == 3 and verdict.estimates["speed_ratio"]["n"] == ratio.n
+    assert "single value" not in str(verdict.estimates)
     m = training.metrics
-    assert set(m) >= {"speed_ratio", "accuracy_gap", "small_state_reduction", "replan_moves", "mvas_dgr_accuracy"}
-    assert m["small_state_reduction"] > 0.3  # packed weights and fp8 moments against bf16 + fp32 master and moments
-    assert "AdamW bf16 + fp32 master" in training.text()
+    assert m["small_state_reduction"] > 0.3 and m["seeds"] == 3  # packed weights and fp8 moments vs fp32 AdamW
+    assert "3 paired seeds" in training.text()
+
+
+def test_a_single_seed_grades_inconclusive_not_reproduced():
+    _, training = _training(seeds=1, compute_dtype="float32")
+    gap = training.accuracy_gap("MVAS")
+    assert gap.n == 1 and not gap.has_interval
+    graded = get_claim("C7").grade({"memory_reduction": 0.5, "accuracy_gap": gap.to_dict(),
+                                    "speed_ratio": training.speed_ratio("MVAS").to_dict()}, scale="t")
+    assert graded.estimates["accuracy_gap"]["grade"] == INCONCLUSIVE
 
 
 def test_fp32_compute_gives_the_fp32_adamw_baseline():
-    small = _small(compute_dtype="float32", steps=3, replan_every=10)
-    training = ml.train_variants(small, ml.first_plan(small))
-    assert training.baseline == "AdamW fp32" == ml.baseline_name("float32")
-    assert type(training.stacks["AdamW fp32"].optimizer) is torch.optim.AdamW
-    assert all(p.dtype == torch.float32 for p in training.stacks["AdamW fp32"].module.parameters())
+    small = _small(compute_dtype="float32", replan_every=10)
+    run = ml.train_variants(small, ml.first_plan(small))
+    assert ml.baseline_name("float32") == "AdamW fp32" in run.stacks
+    assert type(run.stacks["AdamW fp32"].optimizer) is torch.optim.AdamW
+    assert all(p.dtype == torch.float32 for p in run.stacks["AdamW fp32"].module.parameters())
 
 
-def test_full_size_memory_on_a_tiny_stand_in():
-    small = _small(steps=2)
+def _report(phases):
+    peaks = {name: PhasePeak(sum(cats.values()), cats) for name, cats in phases.items()}
+    top = max(peaks.values(), key=lambda p: p.peak_bytes)
+    return MemoryReport("m", "p", 1, 1, "cpu", True, top.peak_bytes, top.by_category, {}, peaks, {}, 0.0)
+
+
+def test_peak_by_depth_takes_the_largest_extrapolated_phase_and_refuses_a_non_affine_one():
+    def phases(d):  # the optimizer phase (a large constant temporary) peaks at small depth, backward at full depth
+        return dict(backward=dict(parameters=100 + 10 * d, activations=7 * d),
+                    optimizer=dict(parameters=100 + 10 * d, temporaries=300))
+
+    reports = {d: _report(phases(d)) for d in (1, 2, 3)}
+    assert all(reports[d].by_category == phases(d)["optimizer"] for d in (1, 2, 3))
+    peak, by = ml.peak_by_depth(reports, 80)
+    assert by == phases(80)["backward"] and peak == sum(phases(80)["backward"].values())
+    bad = phases(3)
+    bad["backward"]["activations"] += 5
+    reports[3] = _report(bad)
+    with pytest.raises(ValueError, match="backward phase.*not affine"):
+        ml.peak_by_depth(reports, 80)
+
+
+def test_full_size_memory_is_the_measured_peak_on_a_tiny_stand_in():
+    small = _small()
     plan = ml.first_plan(small)
-    settings = dataclasses.replace(SETTINGS, depths=(1, 2, 3), big_seq_len=16)
-    big = ml.measure_memory(settings, plan, "llama_65b_tiny", dgr=True, check_full_depth=True)  # asserts the fit
-    assert big.reduction > 0.3 and big.variant == "MVAS + DGR" and set(big.baseline) == set(ml.MEMORY_CATEGORIES)
-    # DGR holds one group's gradients at a time: one of the two layers' (the embeddings and head count too).
-    assert big.mvas["gradients"] < big.baseline["gradients"]
-    metrics = ml.c1_metrics(big, _fake_training())
-    assert metrics["memory_reduction"] == big.reduction and metrics["mvas_dgr_bytes"] == sum(big.mvas.values())
-    assert metrics["quality_gap"] == pytest.approx(0.02)
-
-
-def _fake_training():
-    results = {"AdamW fp32": dict(accuracy=0.50, eval_loss=2.0), "MVAS + DGR": dict(accuracy=0.48, eval_loss=2.1)}
-    return ml.Training("AdamW fp32", 1, 1, {}, {}, results)
+    settings = dataclasses.replace(SETTINGS, depths=(2, 3, 4), big_seq_len=16)
+    big = ml.measure_memory(settings, plan, "llama_65b_tiny", check_full_depth=True)  # asserts the extrapolation
+    full = measure_training_step(get_model_spec("llama_65b_tiny"), 1, 16, ml.BIG_PRECISION, fake=True, device="cpu")
+    assert big.baseline_peak == full.peak_bytes and big.baseline == full.by_category
+    assert sum(big.baseline.values()) == big.baseline_peak and set(big.baseline) == set(CATEGORIES)
+    assert sum(full.max_by_category.values()) > full.peak_bytes  # what a sum of maxima would have called the total
+    assert big.reduction == 1 - big.mvas_peak / big.baseline_peak > 0.3
+    c1 = ml.measure_memory(settings, plan, "llama_10b_tiny", dgr=True)  # from 2 layers: affine once there are 2 groups
+    assert c1.variant == "MVAS + DGR" and sum(c1.mvas.values()) == c1.mvas_peak
+    metrics = ml.memory_metrics(c1, "mvas_dgr")
+    assert metrics["baseline_bytes"] == c1.baseline_peak and metrics["mvas_dgr_bytes"] == c1.mvas_peak
 
 
 def _big(activations):
     n = parameter_count(get_model_spec("llama_65b").shape)
-    cats = dict.fromkeys(ml.MEMORY_CATEGORIES, 0)
-    return ml.BigMemory("llama_65b", n, 80, 1, 2048, dict(cats, parameters=16 * n, activations=activations),
-                        dict(cats, parameters=4 * n), False, False)
+    cats = dict.fromkeys(CATEGORIES, 0)
+    base, packed = dict(cats, parameters=16 * n, activations=int(activations)), dict(cats, parameters=4 * n)
+    return ml.BigMemory("llama_65b", n, 80, 1, 2048, sum(base.values()), sum(packed.values()), base, packed, False,
+                        False)
 
 
 def test_accountings_find_the_one_that_gives_320_gb():
     big = _big(activations=320e9 - 4 * parameter_count(get_model_spec("llama_65b").shape))
     acc = ml.accountings(big)
     assert acc.closest == "weights + grads fp16 + activations" and acc.match
-    assert acc.bytes["weights fp16"] == 2 * big.n_params and "MVAS state + activations (measured)" in acc.bytes
+    assert acc.bytes["weights fp16"] == 2 * big.n_params and acc.bytes["MVAS step peak (measured)"] == big.mvas_peak
     assert not ml.accountings(_big(activations=1e12)).match
 
 
@@ -117,6 +225,27 @@ def test_the_c7_figure_labels_stand_clear_of_each_other_and_of_their_lines():
     fig.clf()
 
 
+def test_the_figures_show_the_graded_numbers_with_intervals_and_legends_off_the_data():
+    _, training = _training(seeds=3, compute_dtype="float32")
+    for fig in (ml.plot_c7_quality_speed(training), ml.plot_c1(_big(activations=190e9), training),
+                ml.plot_training(training), ml.plot_c7_memory(_big(activations=190e9))):
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            assert ax.get_ylabel() or ax.get_yticklabels(), ax.get_title()
+            assert ax.get_xlabel() or not len(ax.get_xticks()) or ax.get_xticklabels()
+            legend = ax.get_legend()
+            if legend is not None:  # below the axes, never over the data
+                assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0 + 1
+        fig.clf()
+    fig = ml.plot_c7_quality_speed(training)
+    gap_ax, speed_ax = fig.axes
+    assert "percentage points" in gap_ax.get_ylabel() and "(x)" in speed_ax.get_ylabel()
+    for ax, est, scale in ((gap_ax, training.accuracy_gap("MVAS"), 100), (speed_ax, training.speed_ratio("MVAS"), 1)):
+        ys = np.array([line.get_ydata()[0] for line in ax.lines if line.get_marker() == "_"])  # the caps
+        assert np.isclose(ys, est.low * scale).any() and np.isclose(ys, est.high * scale).any()
+    fig.clf()
+
+
 @pytest.mark.parametrize("dtype, name", [("float32", "AdamW fp32"), ("bfloat16", "AdamW bf16 + fp32 master")])
 def test_baseline_is_named_by_the_compute_dtype(dtype, name):
     assert ml.baseline_name(dtype) == name
@@ -129,3 +258,8 @@ def test_settings_name_the_field_that_is_wrong():
         dataclasses.replace(SETTINGS, importance_batches=7)  # more than the 6 training batches
     with pytest.raises(ValueError, match="depths"):
         dataclasses.replace(SETTINGS, depths=(2,))  # one depth cannot be extrapolated
+    with pytest.raises(ValueError, match="seeds"):
+        dataclasses.replace(SETTINGS, seeds=0)
+    with pytest.raises(ValueError, match="steps"):
+        dataclasses.replace(SETTINGS, steps=4, importance_batches=2)  # no timing block left after the warm-up
+    assert dataclasses.replace(SETTINGS, seed=5, seeds=3).seed_list == (5, 6, 7)

@@ -1,0 +1,59 @@
+"""Notebooks 03's and 09's settings against their notebooks, as tests/experiments/test_settings.py checks the others:
+each profile's resolved parameters build them, every parameter is a field (or run-level) with the cell's default,
+and an unknown key or a bad value is refused by name."""
+
+import dataclasses
+
+import pytest
+
+from macroarch.config import ConfigError
+from macroarch.experiments import hardware_speedups, zero3_communication
+from macroarch.experiments.settings import RUN_KEYS
+from macroarch.repro.notebook import notebook_parameters, resolve
+
+HARNESSES = {
+    "03_zero3_communication": zero3_communication.Zero3Settings,
+    "09_hardware_speedups": hardware_speedups.HardwareSettings,
+}
+
+
+def _frozen(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize("profile", ["ci", "cpu", "gpu"])
+@pytest.mark.parametrize("stem", HARNESSES)
+def test_every_profile_builds_the_settings(stem, profile):
+    params = resolve(stem, {"profile": profile})
+    settings = HARNESSES[stem].from_params(params)
+    fields = {f.name for f in dataclasses.fields(settings)}
+    assert set(params) - fields <= RUN_KEYS
+    for name in fields:
+        assert getattr(settings, name) == _frozen(params[name]), name
+
+
+@pytest.mark.parametrize("stem", HARNESSES)
+def test_fields_are_the_notebooks_parameters_with_its_defaults(stem):
+    cell = notebook_parameters(stem)
+    fields = {f.name: f for f in dataclasses.fields(HARNESSES[stem])}
+    assert set(fields) <= set(cell), f"fields the parameters cell of {stem} lacks: {set(fields) - set(cell)}"
+    for name, p in cell.items():
+        assert name in fields or name in RUN_KEYS, f"{stem}: parameter {name!r} is neither a field nor run-level"
+        if name in fields and fields[name].default is not dataclasses.MISSING and p.default not in (None, "auto"):
+            assert fields[name].default == _frozen(p.default), name
+
+
+@pytest.mark.parametrize("stem", HARNESSES)
+def test_unknown_keys_and_bad_values_are_named(stem):
+    cls = HARNESSES[stem]
+    params = resolve(stem, {"profile": "ci"})
+    with pytest.raises(ConfigError, match="'stepz'"):
+        cls.from_params(dict(params, stepz=3))
+    settings = cls.from_params(params)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.threads = 2
+    numbers = [f.name for f in dataclasses.fields(cls) if f.type == "int" and getattr(settings, f.name) > 0
+               and f.name not in ("seed", "warmup")]
+    for name in numbers:  # every size must be positive
+        with pytest.raises(ValueError, match=name):
+            dataclasses.replace(settings, **{name: 0})
