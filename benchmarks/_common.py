@@ -5,7 +5,7 @@ A speed ratio means nothing without the hardware: ``machine_lines`` prints the C
 capability, the ISA flags that decide bf16 speed (AVX-512 BF16, AMX) and which reference is fair there
 (``fair_reference``: on a CPU that emulates bf16, a bf16 matmul is 20-30x slower than fp32, so a method that
 computes in bf16 is compared with fp32 AdamW as well). ``machine_info`` itself is
-``macroarch.experiments.hardware.machine_info``, the one every notebook run records.
+``macroarch.measure.machine.machine_info``, the one every notebook run records.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from macroarch.experiments.hardware import machine_info
+from macroarch.measure.machine import machine_info
 from macroarch.repro.tracking import write_json_atomic
 
 try:

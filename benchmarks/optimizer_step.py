@@ -64,8 +64,7 @@ from _common import (
     write_json,
 )
 
-from macroarch.mvas import MVASWeight
-from macroarch.mvas import pack
+from macroarch.mvas import MVASWeight, pack
 from macroarch.mvas.optim import MVASAdamW
 from macroarch.optim import CompensatedAdamW
 

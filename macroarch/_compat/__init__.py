@@ -11,7 +11,7 @@ written against, and falls back or raises an error that names the release when t
 - ``memtracker``: MemTracker reporting every change to a tracked storage (``measure.memory.measured``);
 - ``fake``: ``FakeTensorMode`` and ``is_fake`` (full-size models measured without memory);
 - ``dispatch``: the ``TorchDispatchMode`` base of ``measure.hardware.OpCounter``, and the tensors of an op's arguments;
-- ``cpu``: oneDNN's and torch's bf16/fp16 probes, with public fallbacks (``experiments.hardware``; never raises);
+- ``cpu``: oneDNN's and torch's bf16/fp16 probes, with public fallbacks (``measure.machine``; never raises);
 - ``distributed``: the default process group's store (``measure.comm_bench``'s dead-rank demonstration);
 - ``subclass``: the tensor-subclass machinery of ``MVASWeight``, its linear layer and ``MVASAdamW``, and torch
   functions off for bookkeeping on parameters (DGR's ``.grad`` access);

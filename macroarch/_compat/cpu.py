@@ -1,6 +1,6 @@
 """What the CPU runs natively in 16 bits, from oneDNN's private probes where they exist, else from public facts.
 
-``experiments.hardware`` records whether bf16 and fp16 matmuls are native on this CPU (every run's ``machine``
+``measure.machine`` records whether bf16 and fp16 matmuls are native on this CPU (every run's ``machine``
 entry, and the compute dtype a harness picks). oneDNN answers through private ops (``torch.ops.mkldnn.
 _is_mkldnn_bf16_supported``, ``_is_mkldnn_fp16_supported``) and torch exposes the CPU's own flags through private
 functions (``torch.cpu._is_avx512_bf16_supported``, ``_is_amx_tile_supported``). None of them has a public
@@ -77,7 +77,7 @@ def onednn_fp16() -> bool:
 
 def bf16_instructions() -> bool | None:
     """Whether the CPU has bf16 instructions (AVX-512 BF16 or AMX), from torch's probes (private); None where torch
-    lacks them or they fail (``experiments.hardware`` then keeps oneDNN's answer)."""
+    lacks them or they fail (``measure.machine`` then keeps oneDNN's answer)."""
     import torch
 
     # private: torch.cpu's probes of the CPU's own flags (cpuinfo), the same on every OS torch runs on

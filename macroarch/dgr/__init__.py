@@ -7,6 +7,9 @@ during backward (sync or interleaved with delays), and DC-ASGD delay compensatio
 - ``wrapper``: ``DGRWrapper(module, group_size=8, ...)``, the post's API.
 """
 
+from macroarch.dgr.grouping import Grouping, ParamGroup, backward_order, build_groups, group_parameters, run_example
+from macroarch.dgr.pipeline import CLIP_MODES, MODES, DGROptimizer, PipelineConfig
+from macroarch.dgr.wrapper import DGRWrapper
 from macroarch.optim.compensation import (
     DC_ASGD_A_LAMBDA,
     DC_ASGD_A_MOMENTUM,
@@ -16,9 +19,6 @@ from macroarch.optim.compensation import (
     dc_asgd_compensate,
     update_meansquare,
 )
-from macroarch.dgr.grouping import Grouping, ParamGroup, backward_order, build_groups, group_parameters, run_example
-from macroarch.dgr.pipeline import CLIP_MODES, MODES, DGROptimizer, PipelineConfig
-from macroarch.dgr.wrapper import DGRWrapper
 
 __all__ = [
     "CLIP_MODES",

@@ -94,8 +94,8 @@ import torch
 
 from macroarch._compat.autograd import at_backward_end, backward_pass_id
 from macroarch._compat.subclass import torch_function_disabled
-from macroarch.optim.compensation import GradientCompensator
 from macroarch.dgr.grouping import Grouping
+from macroarch.optim.compensation import GradientCompensator
 from macroarch.optim.functional import all_finite, finite_checked, local
 
 MODES = ("sync", "interleaved")

@@ -522,7 +522,7 @@ def train_compare(name: str, dims: Mapping[str, Any], *, steps: int, batch_size:
     """Train the small model twice from the same initial weights on the same batches, one step of each in turn:
     the baseline and MVAS + DGR (plan: Fisher diagonal at initialisation over ``importance_batches`` batches,
     ``importance_plan`` at ``weight_bytes`` per managed weight)."""
-    from macroarch.experiments.hardware import torch_dtype
+    from macroarch.measure.machine import torch_dtype
 
     dtype = torch_dtype(compute_dtype)
     train, evals = data_batches(name, dims, batch_size, steps, eval_batches, dtype, seed)
@@ -843,7 +843,7 @@ def measurements(name: str, settings: ApplicationsSettings, plan: mvas.Precision
 
 def scale(meas: Measurements, train: TrainResult, settings: ApplicationsSettings) -> str:
     """The verdict's scale: the measured model, how it was measured, and the small run with its hardware."""
-    from macroarch.experiments.hardware import describe, machine_info
+    from macroarch.measure.machine import describe, machine_info
 
     s = settings
     depth = f", extrapolated from {meas.depths} blocks (checked at {s.check_depth})" if meas.depths else ""

@@ -51,9 +51,9 @@ from macroarch import compose
 from macroarch._table import format_table
 from macroarch.config import ConfigError, MacroConfig, load_yaml
 from macroarch.data.shapes import ShapesData, ensure_shapes, load_shapes, shuffled_batches
-from macroarch.experiments.hardware import describe, machine_info, torch_dtype
 from macroarch.experiments.loop import TrainLog, train_round_robin
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
+from macroarch.measure.machine import describe, machine_info, torch_dtype
 from macroarch.measure.memory import CATEGORIES, StepMemory, measure_step
 from macroarch.measure.memory.measured import create_optimizer_state
 from macroarch.measure.stats import Estimate, exact, paired_difference

@@ -38,9 +38,9 @@ from matplotlib.ticker import MaxNLocator
 from macroarch.comm import MiB
 from macroarch.comm.bucketer import GradientBucketer, ddp_with_buckets
 from macroarch.comm.launch import launch
-from macroarch.experiments.hardware import describe, machine_info
 from macroarch.experiments.settings import Settings
 from macroarch.measure.comm_bench import bucket_summary, compare_bucketing, dead_rank
+from macroarch.measure.machine import describe, machine_info
 from macroarch.measure.stats import Estimate, Repeated, ratio_from_blocks
 from macroarch.measure.workload import Workload, lm_loss, timed
 

@@ -46,9 +46,9 @@ from tqdm.auto import tqdm
 from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
-from macroarch.experiments.hardware import describe, machine_info, torch_dtype
 from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
+from macroarch.measure.machine import describe, machine_info, torch_dtype
 from macroarch.measure.stats import Estimate, Repeated, bootstrap, paired_difference
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec

@@ -41,10 +41,10 @@ from matplotlib.ticker import NullFormatter
 from tqdm.auto import tqdm
 
 from macroarch._table import format_table
-from macroarch.experiments.hardware import COMPUTE_DTYPES, describe, machine_info, torch_dtype
 from macroarch.experiments.loop import lm_step, train_round_robin
 from macroarch.experiments.settings import Settings
 from macroarch.measure import hardware as hw
+from macroarch.measure.machine import COMPUTE_DTYPES, describe, machine_info, torch_dtype
 from macroarch.measure.memory.analytic import parameter_count
 from macroarch.measure.stats import Estimate, looked_up, modelled
 from macroarch.measure.step_time import (

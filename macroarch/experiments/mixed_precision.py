@@ -39,9 +39,9 @@ import torch
 from matplotlib.figure import Figure
 
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
-from macroarch.experiments.hardware import describe, machine_info
 from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
 from macroarch.experiments.settings import Settings
+from macroarch.measure.machine import describe, machine_info
 from macroarch.measure.stats import Estimate, Repeated, mean_interval, paired_difference
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec

@@ -46,9 +46,9 @@ from tqdm.auto import tqdm
 from macroarch import compose, mvas
 from macroarch.config import DGRConfig, MacroConfig, MVASConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
-from macroarch.experiments.hardware import describe, machine_info, torch_dtype
 from macroarch.experiments.loop import Batch, TrainLog, evaluate_lm, lm_step, train_round_robin
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
+from macroarch.measure.machine import describe, machine_info, torch_dtype
 from macroarch.measure.memory import (
     CATEGORIES,
     PRECISIONS,

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 from macroarch.config import ConfigError
-from macroarch.experiments.hardware import COMPUTE_DTYPES  # ``compute_dtype`` once ``auto`` is resolved
+from macroarch.measure.machine import COMPUTE_DTYPES  # ``compute_dtype`` once ``auto`` is resolved
 
 __all__ = ["COMPUTE_DTYPES", "RUN_KEYS", "Settings"]
 

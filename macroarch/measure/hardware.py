@@ -289,7 +289,7 @@ def measure_machine(device: str = "cpu", *, matmul_n: int = 1024, copy_mb: float
     On CPU the row's 16-bit rate is a bf16 matmul (emulated, hence slow, where the CPU has no native bf16);
     on CUDA the device's own name, memory and measured rates.
     """
-    from macroarch.experiments.hardware import cpu_model
+    from macroarch.measure.machine import cpu_model
 
     dev = torch.device(device)
     if dev.type == "cuda":

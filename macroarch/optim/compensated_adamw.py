@@ -66,8 +66,8 @@ from typing import Any
 import torch
 
 from macroarch.optim.compensation import GradientCompensator
-from macroarch.optim.saved_state import check_saved_state, restore_saved_state
 from macroarch.optim.functional import adamw_step_, agree, check_hyperparameters, local, locally_finite, owned_params
+from macroarch.optim.saved_state import check_saved_state, restore_saved_state
 from macroarch.optim.scale import NormGradScaler, NormScaleConfig
 from macroarch.optim.spike_guard import LossSpikeGuard
 

@@ -32,8 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from macroarch.measure.memory import StepMemory
 from macroarch.planner.models import Model, PlanError, resolve
 from macroarch.planner.run import (
@@ -140,14 +138,14 @@ def _budget(gpu: str | None, budget_gb: float | None) -> tuple[int | None, str |
     if budget_gb is not None:
         if isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float) or not budget_gb > 0:
             raise PlanError(f"budget={budget_gb!r} GB must be a positive number")
-        return int(budget_gb * GB), f"{budget_gb:g} GB"
+        return round(budget_gb * GB), f"{budget_gb:g} GB"
     if gpu is None:
         return None, None
     from macroarch.measure.hardware import ACCELERATORS
 
     for card in ACCELERATORS.values():
         if gpu.lower() in (card.key.lower(), card.name.lower()):
-            return int(card.memory_gb * GB), f"{card.name} ({card.memory_gb:g} GB, macroarch.measure.hardware)"
+            return round(card.memory_gb * GB), f"{card.name} ({card.memory_gb:g} GB, macroarch.measure.hardware)"
     known = ", ".join(f"{c.key} ({c.name})" for c in ACCELERATORS.values())
     raise PlanError(f"unknown --gpu {gpu!r}; known: {known}")
 

@@ -148,7 +148,7 @@ def resolve(stem: str, given: Mapping[str, Any], root: Path | None = None) -> di
         p.check(value, where)
         out[name] = list(value) if isinstance(value, tuple) else value
     if out.get("compute_dtype") == "auto":
-        from macroarch.experiments.hardware import auto_compute_dtype
+        from macroarch.measure.machine import auto_compute_dtype
 
         out["compute_dtype"] = auto_compute_dtype(out.get("device", "cpu"))
     return out

@@ -582,7 +582,7 @@ def machine() -> dict[str, Any]:
     """The machine of a run, for ``timings.json``: CPU model, cores, vector ISA, torch."""
     import torch
 
-    from macroarch.experiments.hardware import cpu_capability, cpu_model
+    from macroarch.measure.machine import cpu_capability, cpu_model
 
     return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "usable_cores": list(usable_cores()),
             "cpu_capability": cpu_capability(), "torch": torch.__version__}

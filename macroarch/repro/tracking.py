@@ -469,7 +469,7 @@ def start_run(claim: str, profile: str, config: Mapping[str, Any] | None = None)
     """
     get_claim(claim)
     check_profile(profile)
-    from macroarch.experiments.hardware import machine_info  # torch: imported when a run starts, not by the CLI
+    from macroarch.measure.machine import machine_info  # torch: imported when a run starts, not by the CLI
 
     config = dict(config or {})
     # Every run names the hardware it measured on: speed ratios and compute dtypes depend on it.

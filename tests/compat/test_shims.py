@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from macroarch._compat import autograd, cpu, dispatch, fake, memtracker, subclass, version
-from macroarch.experiments import hardware
+from macroarch.measure import machine
 
 
 def test_the_release_is_parsed_from_torch_version(monkeypatch):
@@ -48,13 +48,13 @@ def test_machine_info_never_raises_when_the_onednn_probe_is_gone(monkeypatch):
     expected = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert cpu.onednn_bf16() is expected
     assert cpu.onednn_fp16() is bool(cpu.cpu_flags() & {"avx512_fp16", "amx_fp16"})
-    info = hardware.machine_info()
+    info = machine.machine_info()
     assert isinstance(info["native_bf16"], bool) and isinstance(info["native_fp16"], bool)
 
 
 def test_without_oneDNN_nothing_is_native(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    assert not hardware.native_bf16_cpu() and not hardware.native_fp16_cpu()
+    assert not machine.native_bf16_cpu() and not machine.native_fp16_cpu()
 
 
 def test_the_torch_function_fallback_is_a_plain_context(monkeypatch):

@@ -7,7 +7,7 @@ result.json and the W&B run, the W&B run's evidence artifact, and the paper buil
 import pytest
 import torch
 
-from macroarch.experiments.hardware import auto_compute_dtype, native_bf16_cpu
+from macroarch.measure.machine import auto_compute_dtype, native_bf16_cpu
 from macroarch.repro import notebook as nbparams
 from macroarch.repro import paper, runner
 from macroarch.repro.claims import GRADES

@@ -19,6 +19,7 @@ cast (``tests/mvas/codecs`` checks every code and the rounding boundaries), so r
 from __future__ import annotations
 
 import sys
+
 import torch
 
 from macroarch.mvas.codecs.formats import SCALE_DTYPE, Format, get_format, is_fake

@@ -20,7 +20,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-_SHARED = ("macroarch/experiments/loop.py", "macroarch/experiments/settings.py", "macroarch/experiments/hardware.py",
+_SHARED = ("macroarch/experiments/loop.py", "macroarch/experiments/settings.py", "macroarch/measure/machine.py",
            "macroarch/repro/claims.py", "macroarch/measure/stats.py", "papermill_runs/cpu.yaml")
 _MVAS_DGR = ("macroarch/mvas/", "macroarch/dgr/", "macroarch/optim/", "macroarch/compose.py", "macroarch/config.py")
 
