@@ -7,15 +7,35 @@ import dataclasses
 import pytest
 
 from macroarch.config import ConfigError
-from macroarch.experiments import applications, clip, comm_bucketing, convergence_recipe, mixed_precision, mvas_llama
+from macroarch.experiments import (
+    applications,
+    clip,
+    comm_bucketing,
+    convergence_recipe,
+    dgr_variance,
+    gradient_explosion,
+    hardware_speedups,
+    memory_wall,
+    mixed_precision,
+    mvas_llama,
+    zero3_communication,
+)
 from macroarch.experiments.settings import RUN_KEYS, Settings
 from macroarch.repro.notebook import notebook_parameters, resolve
 
+MAY_BE_ZERO = {"seed", "warmup", "warmup_steps", "measured_layers", "bert_large_steps"}
+"""0 is meaningful: the first seed, no warmup, "measure the whole model", "skip the probe"."""
+
 HARNESSES = {
+    "01_gradient_explosion": gradient_explosion.GradientExplosionSettings,
+    "02_memory_wall": memory_wall.MemoryWallSettings,
+    "03_zero3_communication": zero3_communication.Zero3Settings,
+    "04_dgr_variance": dgr_variance.DGRVarianceSettings,
     "05_mvas_llama": mvas_llama.MVASLlamaSettings,
     "06_mixed_precision": mixed_precision.MixedPrecisionSettings,
     "07_comm_bucketing": comm_bucketing.BucketingSettings,
     "08_convergence_recipe": convergence_recipe.RecipeSettings,
+    "09_hardware_speedups": hardware_speedups.HardwareSettings,
     "10_applications": applications.ApplicationsSettings,
     "11_clip": clip.ClipSettings,
 }
@@ -57,7 +77,7 @@ def test_unknown_keys_and_bad_values_are_named(stem):
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.threads = 2
     numbers = [f.name for f in dataclasses.fields(cls) if f.type == "int" and getattr(settings, f.name) > 0
-               and f.name not in ("seed", "warmup", "warmup_steps")]
+               and f.name not in MAY_BE_ZERO]
     for name in numbers:  # every size must be positive
         with pytest.raises(ValueError, match=name):
             dataclasses.replace(settings, **{name: 0})
