@@ -58,6 +58,19 @@ def even_ids(rows, length=16, seed=0):
     return torch.randint(0, 16, (rows, length), generator=torch.Generator().manual_seed(seed)) * 2
 
 
+class TokenWindows(torch.utils.data.Dataset):
+    """``n`` windows of :func:`even_ids` as dicts (``input_ids``, ``labels``): the columns HF Trainer reads."""
+
+    def __init__(self, n=32, length=16):
+        self.ids = even_ids(n, length)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
 def _sequential(dtype=torch.float32):
     torch.manual_seed(0)
     net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(8, 8), nn.Tanh())]).to(dtype)

@@ -5,26 +5,14 @@ import math
 
 import pytest
 import torch
-from model_zoo import even_ids, tiny_llama
+from model_zoo import TokenWindows as Tokens
+from model_zoo import tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from macroarch import mvas
 from macroarch.dgr import DGRWrapper
 from macroarch.integrations import MacroTrainer, from_pretrained, save_pretrained
 from macroarch.optim import CompensatedAdamW, LossSpikeGuard
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Token windows with structure to learn (every id even, below 32)."""
-
-    def __init__(self, n=32, length=16):
-        self.ids = even_ids(n, length)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _args(tmp_path, **overrides):

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import safetensors.torch
 import torch
-from model_zoo import even_ids, tiny_llama
+from model_zoo import TokenWindows as Tokens
+from model_zoo import tiny_llama
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -20,19 +21,6 @@ PLAIN_TRAINER = "(transformers.Trainer) is training with a DGR optimizer"
 PLAIN_TRAINER_OWN = "(transformers.Trainer) is training a DGRWrapper with an optimizer of its own"
 
 
-class Tokens(torch.utils.data.Dataset):
-    """Token windows (every id even, below 32), as dicts: the columns a dataset gives Trainer."""
-
-    def __init__(self, n=16, length=16):
-        self.ids = even_ids(n, length)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _args(tmp_path, **overrides):
     options = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2,
                    per_device_train_batch_size=4, logging_steps=1, save_strategy="no", disable_tqdm=True,
@@ -42,13 +30,13 @@ def _args(tmp_path, **overrides):
 
 def _wrapped(**kwargs):
     model = tiny_llama()
-    ids = Tokens()[0]["input_ids"][None]
+    ids = Tokens(16)[0]["input_ids"][None]
     return model, DGRWrapper(model, group_size=1, example_inputs=dict(input_ids=ids, labels=ids), **kwargs)
 
 
 def _train(trainer_cls, model, tmp_path, **kwargs):
     args = kwargs.pop("args", None) or _args(tmp_path)
-    trainer = trainer_cls(model=model, args=args, train_dataset=Tokens(), **kwargs)
+    trainer = trainer_cls(model=model, args=args, train_dataset=Tokens(16), **kwargs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -120,7 +108,7 @@ def test_macro_trainer_does_not_warn_about_itself_and_states_the_per_group_clipp
 
 def test_wrapper_forward_is_still_assignable_and_bound():
     model, wrapper = _wrapped()
-    ids = Tokens()[0]["input_ids"][None]
+    ids = Tokens(16)[0]["input_ids"][None]
     assert wrapper.forward.__self__ is wrapper and DGRWrapper.forward is wrapper.forward.__func__
     expected = model(input_ids=ids).logits
     assert torch.equal(wrapper(input_ids=ids).logits, expected)
@@ -136,7 +124,7 @@ def test_safetensors_refuses_mvas_state_dict_and_dense_state_dict_is_the_file_to
     safetensors.torch.save_file(mvas.dense_state_dict(model), tmp_path / "model.safetensors")
     dense = tiny_llama()
     dense.load_state_dict(safetensors.torch.load_file(tmp_path / "model.safetensors"))
-    ids = Tokens()[0]["input_ids"][None]
+    ids = Tokens(16)[0]["input_ids"][None]
     assert torch.equal(dense(ids).logits, model(ids).logits)  # the values the managed model computes with
 
     mvas.save_packed(model, tmp_path / "packed.safetensors")  # or exact, packed
@@ -154,7 +142,7 @@ def test_a_packed_directory_says_how_to_load_it_and_a_dense_one_says_it_is_dense
     assert mvas.PACKED_WEIGHTS_NAME in readme and "from_pretrained(LlamaForCausalLM, " in readme
     restored, _ = from_pretrained(LlamaForCausalLM, tmp_path / "packed")  # what the README says works
     restored.config._attn_implementation = model.config._attn_implementation
-    ids = Tokens()[0]["input_ids"][None]
+    ids = Tokens(16)[0]["input_ids"][None]
     assert torch.equal(restored(ids).logits, model(ids).logits)
 
     save_pretrained(model, tmp_path / "dense")
@@ -167,7 +155,7 @@ def test_the_first_step_check_lives_beside_other_step_hooks_and_is_silent_outsid
     optimizer = wrapper.optimizer(torch.optim.SGD, lr=1e-2)
     calls = []
     optimizer.register_step_pre_hook(lambda *args: calls.append(1))  # after DGR's own check
-    ids = Tokens()[0]["input_ids"][None]
+    ids = Tokens(16)[0]["input_ids"][None]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning in a plain loop
         for _ in range(2):
