@@ -34,7 +34,8 @@ class ConfigError(ValueError):
 
 
 def load_yaml(path: Path) -> Any:
-    """Parse a YAML file; a syntax error becomes a :class:`ConfigError` naming the file and line."""
+    """Parse a YAML file; a syntax error, or a key given twice in one mapping (which YAML would silently resolve to
+    the last value), becomes a :class:`ConfigError` naming the file and line."""
     import yaml
 
     path = Path(path)
@@ -42,13 +43,41 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"no such file: {path}")
     try:
         with path.open(encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_strict_loader())  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         where = ""
         if (mark := getattr(e, "problem_mark", None)) is not None:
             where = f" line {mark.line + 1}"
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"malformed YAML in {path}{where}: {problem}") from None
+
+
+_STRICT_LOADER: type | None = None
+
+
+def _strict_loader() -> type:
+    """yaml's SafeLoader, refusing a mapping that gives one key twice."""
+    global _STRICT_LOADER
+    if _STRICT_LOADER is None:
+        import yaml
+
+        class StrictLoader(yaml.SafeLoader):
+            def construct_mapping(self, node, deep=False):
+                seen: dict[Any, Any] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: its keys may be overridden
+                        continue
+                    key = self.construct_object(key_node, deep=deep)
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is given twice (first on line {seen[key] + 1})",
+                            key_node.start_mark)
+                    seen[key] = key_node.start_mark.line
+                return super().construct_mapping(node, deep=deep)
+
+        StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, StrictLoader.construct_mapping)
+        _STRICT_LOADER = StrictLoader
+    return _STRICT_LOADER
 
 
 def check_keys(mapping: Mapping[str, Any], allowed: Iterable[str], where: str,

@@ -6,6 +6,15 @@ annotated assignment with a comment that says what it means::
     profile: str = "cpu"        # ci | cpu | gpu: every parameter left None takes this profile's value
     steps: int = None           # training steps
     lr: float = 3e-3            # a value that is the same in every profile
+    seeds: int = None           # paired seeds [2, 1000]
+
+A number (or a list of numbers) may not be negative; a help text that ends in ``[low, high]`` (either side may be
+left empty: ``[1, ]``) declares the range its values must lie in, so a size of 0, a step count of ``10**12`` or a
+negative width is refused before any kernel starts, naming the parameter, instead of failing inside one or
+running unbounded.
+
+A profile gives values only to parameters whose default is ``None``: a profile value for a parameter with a
+default of its own would never reach the run, and is refused by the runner (``macroarch.repro.profiles``).
 
 ``resolve_parameters(stem, globals())``, the first call after the cell, fills each parameter that is still
 ``None`` from ``papermill_runs/<profile>.yaml`` (so ``papermill ... -p profile ci`` runs at ci sizes), checks
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,17 +49,23 @@ TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+_RANGE = re.compile(r"\[([^\[\],]*),([^\[\],]*)\]\s*$")
+
+
 @dataclass(frozen=True)
 class Parameter:
-    """One line of a ``parameters`` cell: ``name: type = default  # help``."""
+    """One line of a ``parameters`` cell: ``name: type = default  # help [low, high]``."""
 
     name: str
     type: str
     default: Any
     help: str
+    low: float | None = 0  # numbers below are refused (None: no bound); a help text's ``[low, high]`` sets both
+    high: float | None = None
 
     def check(self, value: Any, where: str) -> None:
-        """Raise :class:`ConfigError` naming the parameter when ``value`` is not of its declared type."""
+        """Raise :class:`ConfigError` naming the parameter when ``value`` is not of its declared type, or a number
+        of it (the value, or an element of a list) lies outside the parameter's range."""
         if value is None:
             return
         ok = TYPES[self.type]
@@ -58,6 +74,34 @@ class Parameter:
         if not isinstance(value, ok):
             raise ConfigError(f"{where}: parameter {self.name!r} must be {self.type}, got {value!r} "
                               f"({type(value).__name__})")
+        numbers = value if isinstance(value, list | tuple) else [value]
+        for x in numbers:
+            if isinstance(x, bool) or not isinstance(x, int | float):
+                continue
+            if (self.low is not None and x < self.low) or (self.high is not None and x > self.high):
+                raise ConfigError(f"{where}: parameter {self.name!r} must lie in {self.range_text()}, got {value!r}"
+                                  + (f" ({self.help})" if self.help else ""))
+
+    def range_text(self) -> str:
+        def fmt(bound: float | None) -> str:
+            return "" if bound is None else (f"{int(bound)}" if float(bound).is_integer() else f"{bound:g}")
+
+        return f"[{fmt(self.low)}, {fmt(self.high)}]"
+
+
+def _range(help_text: str, where: str, name: str) -> tuple[float | None, float | None]:
+    """The ``[low, high]`` a help text ends with; ``(0, None)`` (no negative numbers) where it has none."""
+    m = _RANGE.search(help_text)
+    if m is None:
+        return 0, None
+    try:
+        low, high = (float(g) if g.strip() else None for g in m.groups())
+    except ValueError:
+        raise ConfigError(f"{where}: parameter {name!r}: its range {m.group(0).strip()!r} is not [low, high] in "
+                          f"numbers") from None
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"{where}: parameter {name!r}: its range {m.group(0).strip()!r} is empty")
+    return low, high
 
 
 def notebook_path(stem: str, root: Path | None = None) -> Path:
@@ -108,7 +152,8 @@ def parse_parameters(source: str, where: str = "parameters cell") -> dict[str, P
             raise ConfigError(f"{where}: parameter {node.target.id!r}: default must be a literal") from None
         line = lines[node.lineno - 1]
         help_text = line.split("#", 1)[1].strip() if "#" in line[node.value.end_col_offset:] else ""
-        p = Parameter(node.target.id, kind, default, help_text)
+        low, high = _range(help_text, where, node.target.id)
+        p = Parameter(node.target.id, kind, default, help_text, low, high)
         p.check(default, where)
         params[p.name] = p
     if "profile" not in params:

@@ -11,9 +11,11 @@
         budget: 6m                        # optional: how long the notebook should take here (90s, 6m, 1h)
         exclusive: true                   # optional: runs alone on all the cores (several processes, timing)
 
-Everything is checked before any kernel starts: a bad profile, notebook, claim id, parameter name, a value of
-the wrong type (against the annotation in the notebook's ``parameters`` cell) or a ``None`` parameter the
-profile leaves without a value raises :class:`ConfigError` naming it. Notebooks whose parameters cell is not
+Everything is checked before any kernel starts: a bad profile, notebook (one in ``notebooks/``, named by file
+name), claim id, parameter name, a key given twice, a value of the wrong type or outside its range (against the
+annotation and ``[low, high]`` in the notebook's ``parameters`` cell), a value for a parameter whose default is
+not ``None`` (the run would never see it), a ``None`` parameter the profile leaves without a value, or a
+budget or timeout that is not more than 0 s and at most a day raises :class:`ConfigError` naming it. Notebooks whose parameters cell is not
 annotated yet (``name = value`` lines) get a name check only, and their values through papermill.
 
 What a notebook needs of the machine, for the runner's schedule (:mod:`macroarch.repro.runner`): the cores of its
@@ -39,6 +41,7 @@ from macroarch.repro import notebook as nbparams
 from macroarch.repro.claims import CLAIMS, parse_claim_ids
 
 _PROFILE_KEYS = ("description", "notebooks", "budget")
+_STEM = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _ENTRY_KEYS = ("notebook", "parameters", "timeout", "budget", "exclusive")
 
 
@@ -102,15 +105,22 @@ def profile_file(profile: str, root: Path | None = None) -> Path:
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
+#: the longest budget or cell timeout a profile may give: a day (a longer one is a typo, not a plan)
+MAX_SECONDS = 24 * 3600
+
+
 def parse_duration(value: Any, where: str) -> float:
-    """``90``, ``"90s"``, ``"6m"``, ``"1h30m"`` -> seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    m = _DURATION.match(str(value).strip()) if isinstance(value, str) else None
-    if not m or not any(m.groups()):
-        raise ConfigError(f"{where}: budget must be seconds or a duration like 90s, 6m, 1h30m; got {value!r}")
-    h, mi, s = (int(g or 0) for g in m.groups())
-    return float(h * 3600 + mi * 60 + s)
+    """``90``, ``"90s"``, ``"6m"``, ``"1h30m"`` -> seconds; more than zero and at most :data:`MAX_SECONDS`."""
+    seconds = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value.strip())) and any(m.groups()):
+        h, mi, s = (int(g or 0) for g in m.groups())
+        seconds = float(h * 3600 + mi * 60 + s)
+    if seconds is None or not 0 < seconds <= MAX_SECONDS:
+        raise ConfigError(f"{where}: budget must be a duration of more than 0 s and at most 24h, as seconds or "
+                          f"like 90s, 6m, 1h30m; got {value!r}")
+    return seconds
 
 
 def format_duration(seconds: float) -> str:
@@ -162,6 +172,9 @@ def _entries(profile: str, root: Path) -> tuple[Path, float | None, list[tuple[i
         where = f"{path}: notebooks[{i}]"
         check_keys(entry, _ENTRY_KEYS, where, required=("notebook",))
         stem = str(entry["notebook"]).removesuffix(".ipynb")
+        if not isinstance(entry["notebook"], str) or not _STEM.fullmatch(stem):
+            raise ConfigError(f"{where}: notebook {entry['notebook']!r} must name a notebook in notebooks/ by its "
+                              f"file name, such as 02_memory_wall (no folder, no '..')")
         if not (root / "notebooks" / f"{stem}.ipynb").is_file():
             raise ConfigError(f"{where}: unknown notebook {stem!r} (no notebooks/{stem}.ipynb)")
         if stem in seen:
@@ -181,8 +194,10 @@ def _job(profile: str, root: Path, path: Path, i: int, entry: dict, default_budg
         raise ConfigError(f"{where}: 'profile' is set by the runner, not by the profile file")
     annotated = _check_parameters(nb, profile, params, where)
     timeout = entry.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0):
-        raise ConfigError(f"{where}: timeout must be a positive whole number of seconds, got {timeout!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)
+                                or not 0 < timeout <= MAX_SECONDS):
+        raise ConfigError(f"{where}: timeout must be a whole number of seconds from 1 to {MAX_SECONDS} (a day), "
+                          f"got {timeout!r}")
     budget = parse_duration(entry["budget"], where) if entry.get("budget") is not None else default_budget
     exclusive = entry.get("exclusive", False)
     if not isinstance(exclusive, bool):
@@ -206,6 +221,11 @@ def _check_parameters(nb: Path, profile: str, params: dict[str, Any], where: str
     spec = nbparams.parse_parameters(source, where=nb.name)
     _check_names(params, spec, where)
     for name, value in params.items():
+        if spec[name].default is not None:
+            raise ConfigError(f"{where}: parameter {name!r} has the default {spec[name].default!r} in "
+                              f"notebooks/{nb.name}, so the profile's {value!r} would never reach the run (a profile "
+                              f"fills only parameters left None); make its default None in the notebook's "
+                              f"parameters cell and give its value in every profile that runs it")
         spec[name].check(value, where)
     missing = [n for n, p in spec.items() if p.default is None and params.get(n) is None]
     if missing:
@@ -222,9 +242,12 @@ def _check_names(params: dict[str, Any], declared: Any, where: str) -> None:
 
 
 def select(jobs: Sequence[NotebookJob], only: str | None) -> list[NotebookJob]:
-    """Keep the notebooks that measure any claim of ``only`` (``"C4,C7"``); all when ``only`` is None."""
-    if not only:
+    """Keep the notebooks that measure any claim of ``only`` (``"C4,C7"``); all when ``only`` is None. An empty
+    ``only`` (``--only ''``, a variable that expanded to nothing) is refused rather than read as everything."""
+    if only is None:
         return list(jobs)
+    if not str(only).strip(" ,"):
+        raise ConfigError("--only is empty: give claim ids such as C4,C7, or leave --only out to run every notebook")
     wanted = set(parse_claim_ids(only))
     picked = [j for j in jobs if wanted & set(j.claims)]
     missing = wanted - {c for j in picked for c in j.claims}

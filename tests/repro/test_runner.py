@@ -161,8 +161,8 @@ def test_every_run_of_a_notebook_gets_the_executed_notebook_as_evidence(project,
     ([{"notebook": "02_memory_wall", "parameters": {"size": "two"}}], "parameter 'size' must be int, got 'two'"),
     ([{"notebook": "02_memory_wall", "parameters": {"size": True}}], "parameter 'size' must be int, got True"),
     ([{"notebook": "02_memory_wall"}], "parameter 'size' is None in the notebook and ci.yaml gives no value"),
-    ([{"notebook": "02_memory_wall", "parameters": {"size": 1}, "timeout": True}], "timeout must be a positive"),
-    ([{"notebook": "02_memory_wall", "parameters": {"size": 1}, "budget": "soon"}], "budget must be seconds"),
+    ([{"notebook": "02_memory_wall", "parameters": {"size": 1}, "timeout": True}], "timeout must be a whole"),
+    ([{"notebook": "02_memory_wall", "parameters": {"size": 1}, "budget": "soon"}], "budget must be a duration"),
     ([{"notebook": "02_memory_wall", "parameters": {"size": 1, "profile": "cpu"}}], "'profile' is set by the"),
 ])
 def test_bad_profiles_are_rejected_by_name(project, entries, message):
