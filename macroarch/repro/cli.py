@@ -1,9 +1,11 @@
 """The ``macroarch`` command: ``reproduce | paper | claims | runs | memory | config check``.
 
-Exit status: 0 done; 1 a notebook failed; 2 bad input (an unknown profile, claim id, notebook, parameter name
-or type, malformed YAML or result file), with one line on stderr and nothing written; 75 the profile is being
-reproduced by another process (the line names it); 130 interrupted (Ctrl-C), resumable by running the same
-command again.
+Exit status: 0 done; 1 a notebook failed, or a file could not be written (the line names it); 2 bad input (an
+unknown profile, claim id, notebook, parameter name or type, malformed YAML or result file), with one line on
+stderr and nothing written, except that ``paper`` still builds the other claims and shows a malformed result's
+claim as unreadable (one line per such file); 75 the profile is being reproduced by another process (the line
+names it); 130 interrupted by Ctrl-C, 143 by SIGTERM (128 + the signal; the same one line, the same marks),
+resumable by running the same command again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from macroarch._table import format_table
 from macroarch.config import ConfigError
 from macroarch.paths import PROFILES
 
-EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED = 1, 2, 75, 130
+EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED, EXIT_TERMINATED = 1, 2, 75, 130, 143
 
 
 def _cmd_reproduce(args: argparse.Namespace) -> int:
@@ -28,13 +30,14 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
     if not args.no_paper:
         if args.seed_offset:  # a paper of its own, beside its results: the profile's paper stays offset 0's
             out = runner.results_root(args.seed_offset)
-            records = paper.from_results(args.profile, out)
-            with runner.ProfileLock(args.profile, out):
+            records = paper.from_results(args.profile, out, unreadable=True)
+            with runner.ProfileLock(args.profile, out), _warnings_to_stderr():
                 where = paper.build(args.profile, records=records, paper_dir=out / args.profile / "paper")
         else:
-            records = paper.collect(args.profile)
-            with runner.ProfileLock(args.profile):
+            records = paper.collect(args.profile, unreadable=True)
+            with runner.ProfileLock(args.profile), _warnings_to_stderr():
                 where = paper.build(args.profile, records=records)
+        _warn_unreadable(records)
         print(f"paper of profile {args.profile} written to {_shown(where)}/ (claims.md, reproduction.md, figures/, "
               f"evidence/)")
     return EXIT_FAILED if any(o.status in ("failed", "interrupted") for o in outcomes) else 0
@@ -43,13 +46,42 @@ def _cmd_reproduce(args: argparse.Namespace) -> int:
 def _cmd_paper(args: argparse.Namespace) -> int:
     from macroarch.repro import paper, runner
 
-    records = paper.collect(args.profile, args.source)  # everything read before the paper is touched
-    with runner.ProfileLock(args.profile):
+    records = paper.collect(args.profile, args.source, unreadable=True)  # all read before the paper is touched
+    with runner.ProfileLock(args.profile), _warnings_to_stderr():
         where = paper.build(args.profile, source=args.source, records=records, pdf=not args.no_pdf)
     states = ", ".join(f"{n} {s}" for s in paper.STATES if (n := sum(r.state == s for r in records.values())))
     print(f"paper of profile {args.profile} written to {_shown(where)}/ from {args.source}: "
           f"{len(records)} claim(s) updated ({states or 'none'})")
-    return 0
+    return EXIT_USAGE if _warn_unreadable(records) else 0
+
+
+def _warn_unreadable(records) -> bool:
+    """One line on stderr per claim whose result file is not a result (its row says unreadable); whether any."""
+    from macroarch.repro.paper import UNREADABLE
+
+    bad = [r for r in records.values() if r.state == UNREADABLE]
+    for r in bad:
+        print(f"macroarch: error: {r.error} (its claim is shown as unreadable)", file=sys.stderr)
+    return bool(bad)
+
+
+class _warnings_to_stderr:
+    """The paper's warnings (evidence not copied) as ``macroarch: warning: ...`` lines, not Python's format."""
+
+    def __enter__(self):
+        import warnings
+
+        from macroarch.repro.paper import EvidenceWarning
+
+        self._catch = warnings.catch_warnings(record=True)
+        self._caught = self._catch.__enter__()
+        warnings.simplefilter("always", EvidenceWarning)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._catch.__exit__(*exc)
+        for w in self._caught:
+            print(f"macroarch: warning: {w.message}", file=sys.stderr)
 
 
 def _shown(path) -> str:
@@ -268,7 +300,7 @@ def _check_locations() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from macroarch.repro.runner import Interrupted, ProfileBusy
+    from macroarch.repro.runner import Interrupted, ProfileBusy, sigterm_as_ctrl_c
     from macroarch.repro.tracking import ResultFileError
 
     parser = build_parser()
@@ -279,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             check_profile(args.profile)
         _check_locations()
+        if args.fn is _cmd_reproduce:  # SIGTERM (kill, a service stopping) takes Ctrl-C's path, paper included
+            with sigterm_as_ctrl_c():
+                return args.fn(args)
         return args.fn(args)
     except ProfileBusy as e:
         print(f"macroarch: {e}", file=sys.stderr)
@@ -290,12 +325,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"macroarch: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return EXIT_FAILED
     except (Interrupted, KeyboardInterrupt) as e:
+        import signal
+
+        terminated = getattr(e, "signum", signal.SIGINT) == signal.SIGTERM
         what = f" ({e})" if str(e) else ""
-        print(f"\nmacroarch: interrupted{what}; run the same command again to resume", file=sys.stderr)
+        print(f"\nmacroarch: interrupted{' by SIGTERM' if terminated else ''}{what}; run the same command again to "
+              f"resume", file=sys.stderr)
         if argv is None:  # the console script: nothing of the kernels' shutdown may reach the terminal now
             sys.stderr.flush()
             sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (kept open until the interpreter exits)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
 
 def _one_line(e: BaseException) -> str:

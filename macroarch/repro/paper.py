@@ -10,7 +10,14 @@ The paper never lies by omission. Each claim's row shows the real state of its l
 - ``failed``: the first line of the error, and the failed notebook as evidence;
 - ``interrupted``: the run says ``running`` but the process that measured it is gone (killed, Ctrl-C);
 - ``running``: a run in progress right now;
+- ``unreadable``: its ``result.json`` exists but is not a result (truncated, wrong value types); the row names
+  the file and what is wrong, and every other claim is still built (``collect(..., unreadable=True)``, what
+  ``macroarch paper`` does);
 - ``not yet measured``: no run of this claim for this profile, ever.
+
+Evidence is only what it claims to be: an executed notebook that is not a whole notebook (truncated, not JSON),
+or a measured run's notebook that papermill did not record as ending cleanly, is not copied into ``evidence/``;
+an :class:`EvidenceWarning` names it and the row links no notebook.
 
 The report itself (``reproduction.md`` and ``reproduction.pdf``: summary, methods, statistics, one section
 per claim, provenance, appendix) is built by :mod:`macroarch.repro.report` from the merged records.
@@ -25,8 +32,10 @@ never touches the committed paper.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +51,7 @@ from macroarch.repro.tracking import (
     INTERRUPTED,
     RUNNING,
     ResultFileError,
+    notebook_problem,
     read_result,
     result_path,
     run_is_alive,
@@ -50,8 +60,12 @@ from macroarch.repro.tracking import (
 
 SOURCES = ("results", "wandb")
 PAPER_PROFILE = "cpu"  # the profile whose paper is paper/ (committed)
-MEASURED, NOT_MEASURED = "measured", "not yet measured"
-STATES = (MEASURED, FAILED, INTERRUPTED, RUNNING, NOT_MEASURED)
+MEASURED, UNREADABLE, NOT_MEASURED = "measured", "unreadable", "not yet measured"
+STATES = (MEASURED, FAILED, INTERRUPTED, RUNNING, UNREADABLE, NOT_MEASURED)
+
+
+class EvidenceWarning(UserWarning):
+    """An executed notebook that cannot serve as evidence (the message names it and why); it was not copied."""
 
 
 @dataclass
@@ -67,7 +81,7 @@ class ClaimRecord:
     git_commit: str | None = None
     verdict: dict[str, str] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None  # the first line of the error of a failed run
+    error: str | None = None  # the first line of the error of a failed run; what is wrong with an unreadable one
     figures: dict[str, Path] = field(default_factory=dict)  # name -> png
     evidence: Path | None = None  # the executed notebook
     wandb_run: str | None = None
@@ -135,23 +149,37 @@ def record_from_result(r: Mapping[str, Any], path: Path, out: Path | None = None
         wandb_run=(r.get("wandb") or {}).get("id"), origin=str(path))
 
 
-def from_results(profile: str, out: Path | None = None) -> dict[str, ClaimRecord]:
+def from_results(profile: str, out: Path | None = None, *, unreadable: bool = False) -> dict[str, ClaimRecord]:
     """The latest run of each claim of ``profile`` from ``papermill_runs/out/<profile>/<claim>/result.json``.
-    A result file that is not one raises :class:`ResultFileError` naming it."""
+    A result file that is not one (:func:`~macroarch.repro.tracking.read_result`'s checks, or another claim's or
+    profile's) raises :class:`ResultFileError` naming it; with ``unreadable`` it becomes that claim's
+    ``unreadable`` record instead (its ``error`` the same one line), so the other claims are still built."""
     out = out or out_root()
     found = {}
     for claim in CLAIMS:
         path = result_path(claim, profile, out)
         try:
-            r = read_result(path)
-        except FileNotFoundError:
+            try:
+                r = read_result(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise ResultFileError(f"{path}: cannot read ({e.strerror})") from None
+            if r.get("claim") != claim or r.get("profile") != profile:
+                raise ResultFileError(f"{path}: holds claim {r.get('claim')!r} of profile {r.get('profile')!r}")
+        except ResultFileError as e:
+            if not unreadable:
+                raise
+            found[claim] = unreadable_record(claim, profile, str(e), path)
             continue
-        except OSError as e:
-            raise ResultFileError(f"{path}: cannot read ({e.strerror})") from None
-        if r.get("claim") != claim or r.get("profile") != profile:
-            raise ResultFileError(f"{path}: holds claim {r.get('claim')!r} of profile {r.get('profile')!r}")
         found[claim] = record_from_result(r, path, out)
     return found
+
+
+def unreadable_record(claim: str, profile: str, message: str, path: Path) -> ClaimRecord:
+    """The record of a claim whose result file is not a result: ``message`` (one line, naming the file) says why."""
+    return ClaimRecord(claim=claim, profile=profile, state=UNREADABLE, notebook=CLAIMS[claim].notebook,
+                       error=_first_line(message), origin=str(path))
 
 
 def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimRecord]:
@@ -199,10 +227,11 @@ def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimRe
     return found
 
 
-def collect(profile: str, source: str = "results") -> dict[str, ClaimRecord]:
+def collect(profile: str, source: str = "results", *, unreadable: bool = False) -> dict[str, ClaimRecord]:
+    """The latest record of each claim of ``profile`` from ``source``; ``unreadable``: see :func:`from_results`."""
     check_profile(profile)
     if source == "results":
-        return from_results(profile)
+        return from_results(profile, unreadable=unreadable)
     if source == "wandb":
         found = from_wandb(profile)
         if not found:
@@ -232,11 +261,13 @@ def load_records(paper: Path) -> dict[str, ClaimRecord]:
 
 
 def merge(stored: Mapping[str, ClaimRecord], new: Mapping[str, ClaimRecord]) -> dict[str, ClaimRecord]:
-    """Stored records, each replaced by the new run of its claim unless that run is older."""
+    """Stored records, each replaced by the new run of its claim unless that run is older. An unreadable result
+    always replaces the stored record: the claim's latest run cannot be read, and the paper must not show an
+    older one as if it were the latest."""
     merged = dict(stored)
     for cid, r in new.items():
         old = stored.get(cid)
-        if old is None or (r.started or "") >= (old.started or ""):
+        if old is None or r.state == UNREADABLE or (r.started or "") >= (old.started or ""):
             merged[cid] = r
     return merged
 
@@ -257,8 +288,12 @@ def _store(records: Mapping[str, ClaimRecord], paper: Path) -> dict[str, ClaimRe
                 _copy(png, dst)
             figs[name] = dst
         r.figures = figs
+        if r.evidence is not None and (problem := notebook_problem(r.evidence, complete=r.state == MEASURED)):
+            warnings.warn(EvidenceWarning(f"{r.evidence}: not copied as evidence of {cid} ({problem})"), stacklevel=2)
+            r.evidence = None
         if r.evidence is not None:
-            suffix = {MEASURED: "", FAILED: ".failed", INTERRUPTED: ".interrupted", RUNNING: ".running"}[r.state]
+            suffix = {MEASURED: "", FAILED: ".failed", INTERRUPTED: ".interrupted", RUNNING: ".running",
+                      UNREADABLE: ".unreadable"}[r.state]
             dst = evidence / f"{r.notebook}{suffix}.ipynb"
             if r.evidence.resolve() != dst.resolve():
                 _copy(r.evidence, dst)
@@ -279,10 +314,10 @@ def _store(records: Mapping[str, ClaimRecord], paper: Path) -> dict[str, ClaimRe
 
 
 def _copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` over ``dst`` in one step; a failed copy (a full disk) leaves no ``.partial`` file and raises an
+    ``OSError`` naming ``dst``."""
     tmp = dst.with_name(f".{dst.name}.partial")
-    shutil.copyfile(src, tmp)
-    tmp.chmod(0o644)
-    tmp.replace(dst)
+    _replacing(dst, tmp, lambda: shutil.copyfile(src, tmp))
 
 
 # --- rendering ----------------------------------------------------------------------------------------
@@ -315,6 +350,8 @@ def _verdict_text(r: ClaimRecord | None) -> str:
         return f"**failed**: {r.error}"
     if r.state == INTERRUPTED:
         return "**interrupted**: the run was stopped before it finished"
+    if r.state == UNREADABLE:
+        return f"**unreadable**: {r.error}"
     return f"running since {r.started}"
 
 
@@ -349,7 +386,20 @@ def build(profile: str = PAPER_PROFILE, *, source: str = "results", paper_dir: P
 
 
 def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step; a failed write leaves no ``.partial`` file and raises an
+    ``OSError`` naming ``path``."""
     tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.chmod(0o644)
-    tmp.replace(path)
+    _replacing(path, tmp, lambda: tmp.write_text(text, encoding="utf-8"))
+
+
+def _replacing(path: Path, tmp: Path, write: Any) -> None:
+    try:
+        write()
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if e.filename is not None and e.errno is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None

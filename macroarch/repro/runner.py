@@ -8,11 +8,24 @@ runs (notebooks not converted to annotated parameters yet get their values from 
 Resume: a notebook is skipped when its stamp (written after a clean execution) records the same effective
 parameters as a run would have now (``notebook.resolve``: profile values, defaults, ``compute_dtype: auto``
 on this machine), the stamp is newer than the notebook and every file of the package, and every claim of the
-notebook has a complete result that this execution wrote, with those parameters in its config. A notebook
-executes into a ``.partial`` file that becomes ``<stem>.ipynb`` on success (``<stem>.failed.ipynb``
-otherwise); a failure marks every claim it did not finish as failed, Ctrl-C marks them interrupted, so no
-stale result passes as the outcome of this run. One failing notebook does not stop the others. Each outcome
-is reported against the notebook's time budget (``ok 4m12s of 6m``), with a warning when over it.
+notebook has a complete result that this execution wrote, with those parameters in its config, and the executed
+notebook is whole and papermill recorded its execution as ending cleanly (a truncated one is run again). A
+notebook executes into a ``.partial`` file that becomes ``<stem>.ipynb`` on success (``<stem>.failed.ipynb``
+otherwise, where the partial file is a whole file; a half-written one is removed); a failure marks every claim
+it did not finish as failed, Ctrl-C marks them interrupted, each with a fresh record of this execution (no
+verdict, metrics or W&B id of an earlier run; ``previous`` points at that run), so no stale result passes as
+the outcome of this run. One failing notebook does not stop the others. Each outcome is reported against the
+notebook's time budget (``ok 4m12s of 6m``), with a warning when over it.
+
+A write that fails (a full disk, a read-only folder) stops only what needs it: a notebook whose executed
+notebook, result or stamp could not be written is a failed outcome whose error names the file (nothing
+half-written is left), and the batch goes on to the next notebook (space may be freed, or the next one may
+write less); ``timings.json`` that cannot be written is one warning line. Only when the profile's lock file
+cannot be written, before anything runs, does the run stop, with one line naming it.
+
+SIGTERM is Ctrl-C: while :func:`reproduce` runs it raises ``KeyboardInterrupt`` in the runner, which takes the
+same path (every running notebook's claims marked interrupted, resumable); :class:`Interrupted` carries the
+signal (``signum``), and ``macroarch reproduce`` exits 128 + it (130 for Ctrl-C, 143 for SIGTERM).
 
 One run per profile at a time: :class:`ProfileLock` (``out/<profile>/.lock``, released by the OS when the
 holder dies) refuses a second one with a message naming the holder.
@@ -41,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import fcntl
 import json
 import logging
@@ -74,6 +88,7 @@ from macroarch.repro.tracking import (
     FAILED,
     INTERRUPTED,
     merge_wandb_status,
+    notebook_problem,
     read_result,
     result_path,
     wandb_status_path,
@@ -90,7 +105,41 @@ class ProfileBusy(ConfigError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C: the notebooks that were running and how long each had run."""
+    """Ctrl-C or SIGTERM: the notebooks that were running and how long each had run; ``signum`` is the signal
+    (``signal.SIGINT`` for Ctrl-C, ``signal.SIGTERM``)."""
+
+    def __init__(self, message: str = "", signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """While inside: SIGTERM raises ``KeyboardInterrupt`` (in the main thread, where Python runs signal handlers),
+    so a ``kill`` or a service manager stopping the run takes Ctrl-C's path; what leaves as an interrupt leaves
+    as :class:`Interrupted` with ``signum`` SIGTERM. Elsewhere than the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except Interrupted as e:
+        if received:
+            e.signum = signal.SIGTERM
+        raise
+    except KeyboardInterrupt:
+        if received:
+            raise Interrupted("", signal.SIGTERM) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 @dataclass
@@ -131,9 +180,13 @@ class ProfileLock:
             raise ProfileBusy(f"profile {self.profile} is already being reproduced by pid {holder.get('pid', '?')} "
                               f"(started {holder.get('started', '?')}: {holder.get('command', '?')}); wait for it "
                               f"to finish or stop it, then run this again") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "started": _now(),
-                                 "command": " ".join(["macroarch", *sys.argv[1:]])}).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "started": _now(),
+                                     "command": " ".join(["macroarch", *sys.argv[1:]])}).encode())
+        except OSError as e:  # a full disk: nothing else could be written either; the one line names the lock
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._fd = fd
         return self
 
@@ -167,10 +220,13 @@ def _newest_code_mtime() -> float:
 
 def is_fresh(job: NotebookJob, profile: str, root: Path | None = None, out: Path | None = None) -> bool:
     """Whether ``job``'s last clean execution ran with the parameters it would run with now, is newer than its
-    notebook and the package code, and is what every claim's result file holds."""
+    notebook and the package code, is what every claim's result file holds, and left a whole executed notebook
+    that papermill recorded as ending cleanly (:func:`~macroarch.repro.tracking.notebook_problem`: a truncated
+    or unfinished one, whatever its stamp says, is no evidence, so the notebook runs again)."""
     root, out = root or project_root(), out or out_root()
     stamp = _stamp_path(profile, job.stem, out)
-    if not stamp.is_file() or not (out / profile / f"{job.stem}.ipynb").is_file():
+    executed = out / profile / f"{job.stem}.ipynb"
+    if not stamp.is_file() or not executed.is_file() or notebook_problem(executed, complete=True):
         return False
     try:
         info = json.loads(stamp.read_text())
@@ -203,7 +259,8 @@ def _jsonable(data: Any) -> Any:
 
 def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path | None = None,
             progress: Progress | None = None) -> JobOutcome:
-    """Execute one notebook with papermill; never raises for a failure inside the notebook.
+    """Execute one notebook with papermill; never raises for a failure inside the notebook, nor for a file it
+    could not write (the executed notebook, a result, the stamp: a failed outcome whose error names the file).
     Raises :class:`Interrupted` on Ctrl-C, after marking the claims it interrupted."""
     import papermill
 
@@ -235,17 +292,15 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
     except KeyboardInterrupt:
         seconds = time.perf_counter() - t0
         with _no_sigint():
-            if partial.exists():
-                os.replace(partial, failed)
+            _keep_failed(partial, failed)
             _mark_unfinished(job, profile, out, started, INTERRUPTED, "interrupted (Ctrl-C)")
         raise Interrupted(f"{job.stem} stopped after {format_duration(seconds)}") from None
     except Exception as e:  # a failing notebook is an outcome, not a crash of the batch
         seconds = time.perf_counter() - t0
-        if partial.exists():
-            os.replace(partial, failed)
-        message = _short_error(e)
-        _mark_unfinished(job, profile, out, started, FAILED, message)
-        outcome = JobOutcome(job, "failed", seconds, message)
+        _keep_failed(partial, failed)
+        message = _failure_message(e, partial)
+        unwritten = _mark_unfinished(job, profile, out, started, FAILED, message)
+        outcome = JobOutcome(job, "failed", seconds, "; ".join([message, *unwritten]))
     else:
         seconds = time.perf_counter() - t0
         os.replace(partial, final)
@@ -255,7 +310,8 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
             # The notebook ran to the end but left claims without a complete result: that is a failure.
             outcome.status = "failed"
             outcome.error = f"notebook finished without a complete result for {', '.join(incomplete)}"
-            _mark_unfinished(job, profile, out, started, FAILED, outcome.error)
+            outcome.error = "; ".join([outcome.error,
+                                       *_mark_unfinished(job, profile, out, started, FAILED, outcome.error)])
     finally:
         if env_before is None:
             os.environ.pop(EVIDENCE_ENV, None)
@@ -265,9 +321,46 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
     outcome.wandb_errors = _settle_wandb(job, profile, out, started)
     outcome.grades = _grades(job, profile, out)
     if outcome.status == "ok":
-        write_json_atomic(stamp, {"notebook": job.stem, "parameters": _jsonable(params), "claims": list(job.claims),
-                                  "seed_offset": job.seed_offset, "finished": _now(), "seconds": round(seconds, 2)})
+        try:
+            write_json_atomic(stamp, {"notebook": job.stem, "parameters": _jsonable(params),
+                                      "claims": list(job.claims), "seed_offset": job.seed_offset, "finished": _now(),
+                                      "seconds": round(seconds, 2)})
+        except OSError as e:  # the results are complete, but without its stamp the next run cannot resume it
+            outcome.status = "failed"
+            outcome.error = f"{_io_text(e)} (its results are complete; the next run executes it again)"
     return outcome
+
+
+def _io_text(e: OSError) -> str:
+    """``cannot write <file>: No space left on device``: a write's error, naming the file where it is known."""
+    return f"cannot write {e.filename}: {e.strerror}" if e.filename else f"{type(e).__name__}: {e.strerror or e}"
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG)
+
+
+def _failure_message(e: BaseException, partial: Path) -> str:
+    """The one line of a failed execution. An ``OSError`` out of papermill itself (not a cell's error, which
+    papermill raises as its own exception type) that names no file and is a write error (full disk, quota,
+    read-only) is papermill writing the executed notebook: the line names that file."""
+    if isinstance(e, OSError) and not e.filename and e.errno in _WRITE_ERRNOS:
+        return f"cannot write the executed notebook {partial}: {e.strerror}"
+    if isinstance(e, OSError) and e.filename:
+        return _io_text(e)
+    return _short_error(e)
+
+
+def _keep_failed(partial: Path, failed: Path) -> None:
+    """A failed execution's notebook becomes ``failed`` where papermill left a whole file; a half-written one (a
+    full disk) is removed: nothing half-written may look like evidence."""
+    if not partial.exists():
+        return
+    if notebook_problem(partial, complete=False) is None:
+        with contextlib.suppress(OSError):
+            os.replace(partial, failed)
+            return
+    with contextlib.suppress(OSError):
+        partial.unlink()
 
 
 def _settle_wandb(job: NotebookJob, profile: str, out: Path, started: _dt.datetime) -> dict[str, str]:
@@ -288,14 +381,22 @@ def _settle_wandb(job: NotebookJob, profile: str, out: Path, started: _dt.dateti
         if w.get("state") not in ("finished", "failed"):
             status = wait_status(wandb_status_path(path), max(0.0, deadline - time.monotonic()))
             merge_wandb_status(r, status, WANDB_WAIT_S)
-            write_json_atomic(path, r)
+            try:
+                write_json_atomic(path, r)
+            except OSError as e:  # the result stays as the kernel wrote it; W&B's outcome is the loss
+                errors[claim] = f"its final state not recorded ({_io_text(e)})"
+                continue
         if r["wandb"].get("error"):
             errors[claim] = r["wandb"]["error"]
     return errors
 
 
 def _ran_since(r: dict, started: _dt.datetime) -> bool:
-    return bool(r.get("started")) and _dt.datetime.fromisoformat(r["started"]) >= started.replace(microsecond=0)
+    """Whether result ``r`` was started by the execution that started at ``started`` (or later)."""
+    try:
+        return bool(r.get("started")) and _dt.datetime.fromisoformat(r["started"]) >= started.replace(microsecond=0)
+    except (TypeError, ValueError):  # not a time: not this execution's
+        return False
 
 
 def _status(claim: str, profile: str, out: Path) -> str | None:
@@ -320,22 +421,37 @@ def _grades(job: NotebookJob, profile: str, out: Path) -> dict[str, str]:
 
 
 def _mark_unfinished(job: NotebookJob, profile: str, out: Path, started: _dt.datetime, status: str,
-                     message: str) -> None:
-    """Mark every claim of ``job`` that this execution did not finish as ``status`` (results stay readable)."""
+                     message: str) -> list[str]:
+    """Mark every claim of ``job`` that this execution did not finish as ``status``; returns one line for each
+    result that could not be written (a full disk), naming the file, and never raises for it.
+
+    A result this execution wrote (started since ``started``) keeps what it measured. Any other (an earlier
+    run's, or none, or an unreadable file) is replaced by a fresh record of this execution: ``started`` is this
+    execution's, and nothing of the earlier run is carried as if this one had produced it (no verdict, metrics,
+    figures or W&B run); ``previous`` says which run it was (started, finished, status, commit)."""
+    unwritten = []
     for claim in job.claims:
         path = result_path(claim, profile, out)
         try:
             r = read_result(path)
         except (OSError, ValueError):
-            r = {"schema": 1, "claim": claim, "profile": profile, "notebook": job.stem, "config": {},
-                 "metrics": {}, "series": {}, "figures": [], "verdict": None, "wandb": None}
-        if _ran_since(r, started) and r.get("status") in (COMPLETE, FAILED):
+            r = None
+        if r is not None and _ran_since(r, started) and r.get("status") in (COMPLETE, FAILED):
             continue
+        if r is None or not _ran_since(r, started):
+            previous = None if r is None else {k: r.get(k) for k in ("started", "finished", "status", "git_commit")}
+            r = {"schema": 1, "claim": claim, "profile": profile, "notebook": job.stem,
+                 "started": started.isoformat(timespec="seconds"), "finished": None, "config": {}, "metrics": {},
+                 "series": {}, "figures": [], "verdict": None, "wandb": None, "previous": previous}
         r["status"] = status
         r["error"] = {"type": "NotebookInterrupted" if status == INTERRUPTED else "NotebookFailed",
                       "message": f"{job.stem}: {message}", "traceback": ""}
         r["finished"] = _now()
-        write_json_atomic(path, r)
+        try:
+            write_json_atomic(path, r)
+        except OSError as e:
+            unwritten.append(f"{claim} not marked {status}: {_io_text(e)}")
+    return unwritten
 
 
 def _short_error(e: BaseException) -> str:
@@ -363,16 +479,17 @@ def _quiet_papermill():
 
 @contextlib.contextmanager
 def _no_sigint():
-    import signal
-
+    """While an interrupt is being handled (claims marked, workers stopped), a second Ctrl-C or SIGTERM is
+    ignored: it would leave the claims unmarked and the workers behind."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 # --- the schedule: which notebooks share the machine, on which cores ---------------------------------------
@@ -489,6 +606,7 @@ def _worker_main() -> None:
         job = job.with_seed_offset(spec["seed_offset"])
         o = execute(job, profile, root, out, progress=lambda done, total, _s: send("cells", done=done, total=total))
     except Interrupted as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (the runner's and a group kill's) is moot
         send("interrupted", message=str(e))
         _quiet()
         return
@@ -498,6 +616,14 @@ def _worker_main() -> None:
             _mark_unfinished(job, profile, out, started, INTERRUPTED, "interrupted (Ctrl-C)")
         send("interrupted", message=f"{spec['stem']} stopped after {format_duration(time.perf_counter() - t0)}")
         _quiet()
+        return
+    except Exception as e:  # the runner's side of the worker failed (a full disk): an outcome, not a traceback
+        message = _io_text(e) if isinstance(e, OSError) else _short_error(e)
+        if job is not None:
+            message = "; ".join([message, *_mark_unfinished(job, profile, out, started, FAILED, message)])
+        seconds = time.perf_counter() - t0
+        send("outcome", status="failed", seconds=seconds, error=message, grades={}, wandb_errors={},
+             started_at=time.time() - seconds, finished_at=time.time())
         return
     send("outcome", status=o.status, seconds=o.seconds, error=o.error, grades=o.grades,
          wandb_errors=o.wandb_errors, started_at=o.started_at, finished_at=o.finished_at)
@@ -566,7 +692,7 @@ def _ended(w: _Worker, profile: str, out: Path) -> JobOutcome:
         return w.outcome
     seconds = time.time() - w.spawned_at
     message = f"the runner's worker process ended with status {rc} before reporting"
-    _mark_unfinished(w.job, profile, out, w.spawned, FAILED, message)
+    message = "; ".join([message, *_mark_unfinished(w.job, profile, out, w.spawned, FAILED, message)])
     return JobOutcome(w.job, "failed", seconds, message, grades=_grades(w.job, profile, out),
                       started_at=w.spawned_at, finished_at=time.time(), cores=w.cores)
 
@@ -619,6 +745,7 @@ class _Timings:
         self.t0, self.started = time.time(), _now()
         self.machine = machine()
         self.entries: dict[str, dict[str, Any]] = {}
+        self.unwritten = ""  # why the last write of timings.json failed ("" when it did not)
 
     def skipped(self, job: NotebookJob) -> None:
         entry: dict[str, Any] = {"status": "skipped", "claims": list(job.claims)}
@@ -673,7 +800,12 @@ class _Timings:
                         "notebooks_without_record": len(ran) - len(recorded)} if recorded else None,
             "notebooks": notebooks,
         }
-        write_json_atomic(self.path, data)
+        try:
+            write_json_atomic(self.path, data)
+        except OSError as e:  # an account of the time, not an outcome: the notebooks go on without it
+            self.unwritten = _io_text(e)
+        else:
+            self.unwritten = ""
         return data
 
 
@@ -708,8 +840,10 @@ def reproduce(profile: str = "cpu", *, only: str | None = None, force: bool = Fa
     :func:`default_jobs`), a live line for each running one, then a summary table; returns the outcomes in the
     order of :func:`plan`. ``seed_offset`` (0 or more) adds to every ``seed`` parameter and keeps the results in
     :func:`results_root`. Raises :class:`ConfigError` for a bad profile, ``jobs`` or ``seed_offset``,
-    :class:`ProfileBusy` if another run holds the profile, :class:`Interrupted` on Ctrl-C (every running
-    notebook's claims are marked interrupted and the next run resumes there)."""
+    :class:`ProfileBusy` if another run holds the profile, :class:`Interrupted` on Ctrl-C or SIGTERM (every
+    running notebook's claims are marked interrupted and the next run resumes there; ``signum`` says which), an
+    ``OSError`` naming the lock file if even that cannot be written. Other failed writes fail only the notebook
+    that needed them (see the module docstring)."""
     if isinstance(seed_offset, bool) or not isinstance(seed_offset, int) or seed_offset < 0:
         raise ConfigError(f"--seed-offset must be a whole number, 0 or more; got {seed_offset!r}")
     root = root or project_root()
@@ -731,7 +865,7 @@ def reproduce(profile: str = "cpu", *, only: str | None = None, force: bool = Fa
     width = max(len(j.stem) for j in planned)
     heads = {j.stem: f"[{i}/{len(planned)}] {j.stem:<{width}} ({', '.join(j.claims) or 'no claims'})"
              for i, j in enumerate(planned, 1)}
-    with ProfileLock(profile, out):
+    with sigterm_as_ctrl_c(), ProfileLock(profile, out):
         if seed_offset:
             echo(f"seed offset {seed_offset}: results in {out / profile}", flush=True)
             for j in planned:
@@ -754,6 +888,8 @@ def reproduce(profile: str = "cpu", *, only: str | None = None, force: bool = Fa
         ordered = [outcomes[j.stem] for j in planned]
         echo(summary_table(ordered, profile), flush=True)
         echo(timings_summary(data, timings.path), flush=True)
+        if timings.unwritten:
+            echo(f"warning: timings not recorded: {timings.unwritten}", flush=True)
     return ordered
 
 

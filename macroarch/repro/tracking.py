@@ -15,10 +15,13 @@ Guarantees, because the paper trusts these files:
 
 - ``papermill_runs/out/<profile>/<claim>/result.json`` is only ever replaced whole (temporary file in the
   same folder, fsync, ``os.replace``; mode 0644). It says ``"status": "running"`` from the moment the run
-  starts, with the measuring process's ``pid`` and ``host`` (so a reader can tell a run in progress from one
-  that was killed), ``"complete"`` only after a verdict was recorded and the run ended cleanly, and
-  ``"failed"`` (with the error) if it raised or ended without a verdict, ``"interrupted"`` if it was stopped
+  starts, with the measuring process's ``pid``, ``host`` and ``process_identity`` (boot and start time, so a
+  reader can tell a run in progress from one that was killed, even where the pid went to another process),
+  ``"complete"`` only after a verdict was recorded and the run ended cleanly, ``"failed"`` (with the error)
+  if it raised or ended without a verdict, ``"interrupted"`` if it was stopped
   (a ``KeyboardInterrupt``: JupyterLab's stop button, the runner's Ctrl-C).
+- :func:`read_result` refuses a file whose top-level keys have other types than :data:`RESULT_TYPES` says
+  (one line naming the file and the key), so no reader trips over ``"verdict": "yes"``.
 - ``result["verdict"]["estimates"]`` records, for every number the verdict was graded on, its value, interval,
   n, method, confidence and kind (measured, modelled, looked up), its grade and the n that would decide it;
   ``result["estimates"]`` holds what :meth:`Run.estimate` recorded. Files written before these existed lack
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno as _errno
 import json
 import math
 import os
@@ -79,9 +83,16 @@ def result_path(claim: str, profile: str, root: Path | None = None) -> Path:
 def write_json_atomic(path: Path, data: Any, *, allow_nan: bool = False) -> None:
     """Replace ``path`` with ``data`` as JSON in one step: readers see the old file or the new, never half.
     The file is world-readable (0644), like any output a user may want to share or serve. NaN and inf are refused
-    unless ``allow_nan`` (a benchmark's diverged variant is a result; a claim's metric is not)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    unless ``allow_nan`` (a benchmark's diverged variant is a result; a claim's metric is not).
+
+    A write that fails (a full disk, a read-only folder) removes its temporary ``.partial`` file, leaves the old
+    ``path`` as it was and raises an ``OSError`` whose ``filename`` is ``path`` (``str(e)`` names it: a bare
+    ``No space left on device`` would not say what could not be written)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    except OSError as e:
+        raise _naming(e, path) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=False, default=_json_default, allow_nan=allow_nan)
@@ -90,14 +101,42 @@ def write_json_atomic(path: Path, data: Any, *, allow_nan: bool = False) -> None
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _naming(e, path) from None
         raise
 
 
+def _naming(e: OSError, path: Path) -> OSError:
+    """``e`` with ``path`` as its filename (the same subclass: a full disk stays an ``OSError`` with ENOSPC)."""
+    if e.filename is not None and e.errno is not None:
+        return e
+    return OSError(e.errno, e.strerror or str(e), str(path)) if e.errno is not None else \
+        OSError(_errno.EIO, str(e) or type(e).__name__, str(path))
+
+
+#: the top-level keys of a result file and the JSON types each may hold (None: null). A key may be absent (files
+#: written before it existed stay readable); present with another type, the file is not a result.
+RESULT_TYPES: dict[str, tuple[type, ...]] = {
+    "status": (str,), "claim": (str,), "profile": (str,), "notebook": (str, type(None)),
+    "started": (str, type(None)), "finished": (str, type(None)), "pid": (int, type(None)),
+    "host": (str, type(None)), "process_identity": (str, type(None)), "git_commit": (str, type(None)),
+    "config": (dict,), "metrics": (dict,), "series": (dict,), "tables": (dict,), "figures": (list,),
+    "estimates": (dict,), "verdict": (dict, type(None)), "error": (dict, type(None)),
+    "wandb": (dict, type(None)), "compile": (dict, type(None)), "previous": (dict, type(None)),
+}
+_JSON_NAMES = {str: "a string", int: "a whole number", dict: "an object", list: "a list", type(None): "null",
+               float: "a number", bool: "a boolean"}
+
+
 def read_result(path: Path) -> dict:
-    """A result file as a dict; :class:`ResultFileError` (one line, naming the file) if it is not one."""
+    """A result file as a dict; :class:`ResultFileError` (one line, naming the file and what is wrong) if it is
+    not one: not JSON, not an object, no ``status``, or a top-level key of another type than
+    :data:`RESULT_TYPES` allows (``"verdict": "yes"``, ``"metrics": [1, 2]``), or a verdict without a ``grade``
+    string. Only the top level is checked: what every reader indexes without looking (``r["verdict"]["grade"]``,
+    ``dict(r["metrics"])``); the values inside are the notebook's."""
     try:
         with Path(path).open(encoding="utf-8") as f:
             data = json.load(f)
@@ -105,13 +144,80 @@ def read_result(path: Path) -> dict:
         raise ResultFileError(f"{path}: malformed result file ({e})") from None
     if not isinstance(data, dict):
         raise ResultFileError(f"{path}: malformed result file (a JSON {type(data).__name__}, not an object)")
-    if not isinstance(data.get("status"), str):
+    if "status" not in data or data["status"] is None:
         raise ResultFileError(f"{path}: malformed result file (no 'status')")
+    for key, types in RESULT_TYPES.items():
+        if key in data and not _is(data[key], types):
+            want = " or ".join(_JSON_NAMES[t] for t in types)
+            raise ResultFileError(f"{path}: malformed result file ('{key}' is {_json_name(data[key])}, "
+                                  f"expected {want})")
+    if "figures" in data and not all(isinstance(n, str) for n in data["figures"]):
+        raise ResultFileError(f"{path}: malformed result file ('figures' must be a list of names)")
+    verdict = data.get("verdict")
+    if isinstance(verdict, dict) and verdict and not isinstance(verdict.get("grade"), str):
+        raise ResultFileError(f"{path}: malformed result file ('verdict' has no 'grade' string)")
     return data
 
 
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    return not isinstance(value, bool) and isinstance(value, types)  # JSON true is no pid
+
+
+def _json_name(value: Any) -> str:
+    return f"{_JSON_NAMES.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]})"
+
+
+def notebook_problem(path: Path, *, complete: bool = True) -> str | None:
+    """What keeps an executed notebook from being evidence, in a few words, or None if nothing does. It must be a
+    whole file (a JSON object: a truncated write is not one; a failed or partial notebook needs no more); with
+    ``complete`` also a notebook (a ``cells`` list) whose execution papermill recorded as ending cleanly
+    (``metadata.papermill`` with an ``end_time`` and no ``exception``), what a notebook that passes as a run's
+    clean outcome must be. Only the file is read, no kernel."""
+    try:
+        with Path(path).open(encoding="utf-8") as f:
+            nb = json.load(f)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot read: {e.strerror}"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"not a whole notebook: {e}"
+    if not isinstance(nb, dict):
+        return f"not a notebook (a JSON {type(nb).__name__})"
+    if not complete:
+        return None
+    if not isinstance(nb.get("cells"), list):
+        return "not a notebook (no list of cells)"
+    pm = (nb.get("metadata") or {}).get("papermill") if isinstance(nb.get("metadata"), dict) else None
+    if not isinstance(pm, dict):
+        return "no papermill record of its execution"
+    if pm.get("exception"):
+        return "papermill recorded an exception"
+    if not pm.get("end_time"):
+        return "papermill recorded no end time: the execution did not finish"
+    return None
+
+
+def process_identity(pid: int) -> str | None:
+    """What tells process ``pid`` from a later process that got the same pid: the boot it runs in and its start
+    time (``/proc/sys/kernel/random/boot_id`` and field 22 of ``/proc/<pid>/stat``, clock ticks after boot), as
+    ``"<boot id>/<start>"``. None where there is no such ``/proc`` (not Linux) or the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the name in parentheses may hold spaces: fields 3.. follow it
+    if len(fields) < 20:
+        return None
+    return f"{boot}/{fields[19]}"  # field 22, counted from 1, is the 20th after the name
+
+
 def run_is_alive(result: Mapping[str, Any]) -> bool:
-    """Whether the process that wrote a ``running`` result is still running (on this host)."""
+    """Whether the process that wrote a ``running`` result is still running (on this host): its pid exists and,
+    where the result recorded the process's identity (:func:`process_identity`), it is still that process, not
+    an unrelated one that reused the pid. A result written before the identity was recorded (or where ``/proc``
+    cannot tell) is judged by the pid alone, as before."""
     pid, host = result.get("pid"), result.get("host")
     if not isinstance(pid, int) or host != socket.gethostname():
         return host is not None and host != socket.gethostname()  # another host: assume it is
@@ -120,7 +226,12 @@ def run_is_alive(result: Mapping[str, Any]) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    recorded = result.get("process_identity")
+    if isinstance(recorded, str):
+        now = process_identity(pid)
+        if now is not None and now != recorded:
+            return False  # the pid is alive, but it is another process now
     return True
 
 
@@ -188,6 +299,7 @@ class Run:
             "finished": None,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "process_identity": process_identity(os.getpid()),
             "git_commit": git_commit(),
             "config": json.loads(json.dumps(dict(config), default=_json_default)),
             "metrics": {},
@@ -258,8 +370,13 @@ class Run:
         _check_name("figure", name)
         path = self.dir / f"{name}.png"
         tmp = self.dir / f".{name}.png.partial"
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
-        os.replace(tmp, path)
+        try:
+            fig.savefig(tmp, dpi=dpi, bbox_inches="tight", format="png")
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk: no half-written figure is left, and the error names the file
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise _naming(e, path) from None
         if name not in self._data["figures"]:
             self._data["figures"].append(name)
         self._send("image", key=f"{self.claim}/figures/{name}", path=str(path))

@@ -36,7 +36,8 @@ REFERENCES = (
                 "Descent with Delay Compensation. ICML 2017.", "https://arxiv.org/abs/1609.08326"),
     ("HAWQ", "Z. Dong, Z. Yao, A. Gholami, M. W. Mahoney, K. Keutzer. HAWQ: Hessian AWare Quantization of Neural "
              "Networks with Mixed-Precision. ICCV 2019.", "https://arxiv.org/abs/1905.03696"),
-    ("mHC", "DeepSeek-AI. mHC: Manifold-Constrained Hyper-Connections. 2025.", "https://arxiv.org/abs/2512.24880"),
+    ("mHC", "Z. Xie et al. (DeepSeek-AI). mHC: Manifold-Constrained Hyper-Connections. 2025.",
+     "https://arxiv.org/abs/2512.24880"),
     ("HC", "D. Zhu et al. Hyper-Connections. ICLR 2025.", "https://arxiv.org/abs/2409.19606"),
     ("Korthikanti et al.", "V. Korthikanti, J. Casper, S. Lym, L. McAfee, M. Andersch, M. Shoeybi, B. Catanzaro. "
                            "Reducing Activation Recomputation in Large Transformer Models. MLSys 2023.",
@@ -44,7 +45,7 @@ REFERENCES = (
     ("Mixed precision", "P. Micikevicius et al. Mixed Precision Training. ICLR 2018.", "https://arxiv.org/abs/1710.03740"),
 )
 
-_STATES = ("measured", "failed", "interrupted", "running", "not yet measured")  # paper.STATES
+_STATES = ("measured", "failed", "interrupted", "running", "unreadable", "not yet measured")  # paper.STATES
 _GRADE_ORDER = ("reproduced", "partially", "not reproduced", "contradicted", "inconclusive", "not testable here")
 
 
@@ -171,7 +172,7 @@ def _grade_cell(r: Any, claim: Claim) -> str:
     if r is None:
         return "not yet measured"
     if r.state != "measured":
-        return f"failed: {r.error}" if r.state == "failed" else r.state
+        return f"{r.state}: {r.error}" if r.state in ("failed", "unreadable") else r.state
     grade = r.verdict.get("grade")
     s = strength(r, claim)
     return f"**{grade}** ({s})" if s == "robust" else f"{grade} ({s})"
@@ -440,6 +441,8 @@ def claim_section(cid: str, ctx: Context) -> Section:
         s.add(Para("**What would change it.**"), Bullets(tuple(_what_would_change(r, claim))))
     elif r.state == "failed":
         s.add(Para(f"**Failed.** {r.error}"))
+    elif r.state == "unreadable":
+        s.add(Para(f"**Unreadable.** The result file is not a result, so nothing of it is shown: {r.error}"))
     else:
         s.add(Para(f"**{r.state.capitalize()}.** The run did not finish; the row shows no number."))
     history = provenance.grade_history(ctx.repo, (ctx.history or ctx.paper) / "data" / f"{cid}.json") \
