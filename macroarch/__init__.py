@@ -29,8 +29,8 @@ from macroarch import _warnings
 
 __version__ = "0.1.0"
 
-# Progress bars are text on purpose (tqdm.auto without ipywidgets): they render in JupyterLab, in executed
-# notebooks and in W&B's console log alike, so tqdm's advice to install ipywidgets is noise here.
+# Progress bars are widgets in JupyterLab and text elsewhere (macroarch._progress); an environment without
+# ipywidgets gets text, and tqdm's advice to install it is noise there.
 warnings.filterwarnings("ignore", message="IProgress not found")
 # torchao's deprecation records, logged through torch's pytree logger when transformers imports torchao (``_warnings``).
 _warnings.install()

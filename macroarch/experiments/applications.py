@@ -48,15 +48,16 @@ from unittest import mock
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from macroarch import compose, mvas
+from macroarch._progress import tqdm
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data.applications import SHAPES, ensure_dataset, load_dataset
-from macroarch.experiments.loop import TrainLog
+from macroarch.experiments.loop import TrainLog, mvas_kernels
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.fit import Fit, MeasureCache, extrapolate_peak, fake_module, largest_fitting, measure_training
 from macroarch.measure.memory import STATE_CATEGORIES, StepMemory
+from macroarch.measure.stats import Estimate, mean_interval
 from macroarch.models.layers import find_repeated_layers
 from macroarch.optim import MasterWeightAdamW
 
@@ -259,18 +260,22 @@ class Measurements:
         base: dims to measure at instead of the published ones (the ci profile's toy sizes, same code path).
         fake: measure under fake tensors (else real ones: identical bytes, faster at toy sizes).
         max_size: the fit searches stop at this size (a fit there is reported as capped).
+        compile_mvas: real-tensor measurements with MVAS's kernels compiled (True) or eager (False: the
+            temporaries of the eager kernels, as under fake tensors, which always run them eagerly); None leaves
+            ``macroarch.mvas.COMPILE_ENV`` as it is.
     """
 
     def __init__(self, name: str, *, plan: mvas.PrecisionPlan | None, group_size: int = 1,
                  depths: Sequence[int] | None = None, video_batch: int = 1,
-                 base: Mapping[str, Any] | None = None, fake: bool = True, max_size: int = 1 << 16) -> None:
+                 base: Mapping[str, Any] | None = None, fake: bool = True, max_size: int = 1 << 16,
+                 compile_mvas: bool | None = None) -> None:
         self.app = get_app(name)
         self.base = dict(self.app.full if base is None else base)
         if depths is not None and (len(depths) < 2 or min(depths) < 2):
             raise ValueError(f"depths={list(depths)}: give two or more depths of at least 2 blocks (DGR's groups "
                              "need a repeated container)")
         self.name, self.plan, self.group_size, self.video_batch, self.fake = name, plan, group_size, video_batch, fake
-        self.max_size = max_size
+        self.max_size, self.compile_mvas = max_size, compile_mvas
         self.depths = sorted(depths) if depths else None
         self.caches = {v: MeasureCache(functools.partial(self._measure, v)) for v in VARIANTS}
         self._by_depth: dict[tuple[str, int, int | None], StepMemory] = {}
@@ -287,8 +292,10 @@ class Measurements:
         if key not in self._by_depth:
             dims = full_dims(self.name, size, layers=layers, video_batch=self.video_batch, base=self.base)
             started = time.perf_counter()
-            self._by_depth[key] = measure_variant(self.name, variant, dims, plan=self.plan, group_size=self.group_size,
-                                                  fake=self.fake)
+            compiled = self.compile_mvas
+            with contextlib.nullcontext() if compiled is None else mvas_kernels(compiled=compiled):
+                self._by_depth[key] = measure_variant(self.name, variant, dims, plan=self.plan,
+                                                      group_size=self.group_size, fake=self.fake)
             self.seconds += time.perf_counter() - started
         return self._by_depth[key]
 
@@ -482,6 +489,15 @@ class TrainResult:
     logs: dict[str, TrainLog]
     eval_loss: dict[str, float]
     plan: mvas.PrecisionPlan = field(repr=False)
+    eval_losses: dict[str, list[float]] = field(default_factory=dict)  # per held-out batch, in the same order
+
+    def quality_change(self) -> Estimate:
+        """MVAS + DGR's held-out loss relative to the baseline's, ``(technique - baseline) / baseline`` per
+        held-out batch (both models see the same batches), with a t interval over the batches. One training seed:
+        the interval holds the evaluation's spread, not the training's, and the method says so."""
+        base, tech = self.eval_losses["baseline"], self.eval_losses["mvas_dgr"]
+        return mean_interval([(t - b) / b for b, t in zip(base, tech, strict=True)],
+                             method="paired t over held-out batches, one training seed")
 
     @property
     def speed_ratio(self) -> float:
@@ -550,13 +566,14 @@ def train_compare(name: str, dims: Mapping[str, Any], *, steps: int, batch_size:
             logs[variant].losses.append(loss.item())
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"{name} {variant}: loss is {loss.item()} at step {step}")
-    eval_loss = {}
+    eval_losses = {}
     with torch.no_grad():
         for variant, (model, runner, _) in runs.items():
             model.eval()
-            eval_loss[variant] = sum(loss_of(runner, b).item() for b in evals) / len(evals)
+            eval_losses[variant] = [loss_of(runner, b).item() for b in evals]
             model.train()
-    return TrainResult(name, sum(p.numel() for p in initial.parameters()), logs, eval_loss, plan)
+    eval_loss = {v: sum(x) / len(x) for v, x in eval_losses.items()}
+    return TrainResult(name, sum(p.numel() for p in initial.parameters()), logs, eval_loss, plan, eval_losses)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -565,9 +582,19 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ claims
 
+def quality_estimates(*trains: TrainResult) -> dict[str, Estimate]:
+    """C12-C14's quality: each small run's held-out loss change (``held_out_loss_change_<model>``), and
+    ``held_out_loss_change``, the worst of them (the one the claim's quality stands or falls with)."""
+    per = {f"held_out_loss_change_{t.name}": t.quality_change() for t in trains}
+    return {**per, "held_out_loss_change": max(per.values(), key=lambda e: e.value)}
+
+
 def c12_metrics(table: SizeTable, crop: int) -> dict[str, float]:
-    """C12: MVAS + DGR's peak reduction at the graded ``crop`` and at every crop, and the checkpointing ones."""
-    out = {"memory_reduction": table.reduction(crop), "graded_crop": crop}
+    """C12: MVAS + DGR's peak reduction at the graded ``crop`` against the plain baseline
+    (``memory_reduction``) and the activation-checkpointed one (``memory_reduction_vs_checkpoint``:
+    checkpointing + MVAS + DGR over checkpointing alone), the same at every crop, and checkpointing's own."""
+    out = {"memory_reduction": table.reduction(crop), "graded_crop": crop,
+           "memory_reduction_vs_checkpoint": table.reduction(crop, "checkpoint_mvas_dgr", "checkpoint")}
     for n in table.reports["baseline"]:
         out[f"memory_reduction_{n}"] = table.reduction(n)
         for v in ("checkpoint", "checkpoint_mvas_dgr"):
@@ -624,7 +651,9 @@ def verdict_texts(claim_id: str, metrics: Mapping[str, float], scale: str) -> di
     if claim_id == "C12":
         crop = int(m["graded_crop"])
         base, stack = m[f"esmfold_trunk_baseline_{crop}_peak_bytes"], m[f"esmfold_trunk_mvas_dgr_{crop}_peak_bytes"]
-        text = f"{_gb(base)} -> {_gb(stack)} ({-m['memory_reduction']:+.0%}) at crop {crop}"
+        ck, ck_stack = (m[f"esmfold_trunk_{v}_{crop}_peak_bytes"] for v in ("checkpoint", "checkpoint_mvas_dgr"))
+        text = (f"{_gb(base)} -> {_gb(stack)} ({-m['memory_reduction']:+.0%}) at crop {crop}; checkpointed "
+                f"{_gb(ck)} -> {_gb(ck_stack)} ({-m['memory_reduction_vs_checkpoint']:+.0%})")
         note = (f"state {_gb(m[f'esmfold_trunk_baseline_{crop}_state_bytes'])} -> "
                 f"{_gb(m[f'esmfold_trunk_mvas_dgr_{crop}_state_bytes'])}, activations "
                 f"{_gb(m[f'esmfold_trunk_baseline_{crop}_activation_bytes'])} -> "
@@ -638,8 +667,9 @@ def verdict_texts(claim_id: str, metrics: Mapping[str, float], scale: str) -> di
         note = ("activation checkpointing alone: " + ", ".join(f"{k[24:-2]} GB {v:.2f}x" for k, v in ckpt)
                 if ckpt else "")
     elif claim_id == "C14":
-        text = ", ".join(f"{k[11:]}: {v:.0f}" for k, v in sorted(m.items())
-                         if k.startswith("max_frames_") and k.endswith("gb")) + " frames with MVAS + DGR"
+        text = ", ".join(f"{k[11:]}: {v:.0f} ({m.get('baseline_frames_' + k[11:], float('nan')):.0f})"
+                         for k, v in sorted(m.items()) if k.startswith("max_frames_") and k.endswith("gb")) + \
+            " frames with MVAS + DGR (without)"
         note = ""
     else:
         raise ValueError(f"claim {claim_id!r} is not one of this notebook's (C12, C13, C14)")
@@ -785,6 +815,8 @@ class ApplicationsSettings(Settings):
     """C14: the space-time transformers measured."""
     video_batch: int = 1
     """C14: clips per step."""
+    compile_mvas: bool = False
+    """The small runs' MVAS kernels compiled by ``torch.compile`` (real sizes) or eager (tiny models, short runs)."""
 
     def __post_init__(self) -> None:
         self._positive("threads", "train_steps", "train_batch", "train_width", "train_layers", "train_crop",
@@ -820,13 +852,15 @@ def models(settings: ApplicationsSettings) -> list[str]:
 
 
 def train_all(settings: ApplicationsSettings) -> dict[str, TrainResult]:
-    """``train_compare`` of every model of the run, at the notebook's small sizes."""
+    """``train_compare`` of every model of the run, at the notebook's small sizes (MVAS kernels compiled or eager
+    as ``compile_mvas`` says)."""
     s = settings
-    return {m: train_compare(m, small_dims(m, **_small(s)), steps=s.train_steps, batch_size=s.train_batch,
-                             eval_batches=s.eval_batches, lr=s.lr, compute_dtype=s.compute_dtype,
-                             weight_bytes=s.weight_bytes, importance_batches=s.importance_batches,
-                             group_size=s.group_size, seed=s.seed)
-            for m in models(s)}
+    with mvas_kernels(compiled=s.compile_mvas):
+        return {m: train_compare(m, small_dims(m, **_small(s)), steps=s.train_steps, batch_size=s.train_batch,
+                                 eval_batches=s.eval_batches, lr=s.lr, compute_dtype=s.compute_dtype,
+                                 weight_bytes=s.weight_bytes, importance_batches=s.importance_batches,
+                                 group_size=s.group_size, seed=s.seed)
+                for m in models(s)}
 
 
 def measurements(name: str, settings: ApplicationsSettings, plan: mvas.PrecisionPlan) -> Measurements:

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
 
 from macroarch import compose
+from macroarch._progress import tqdm
 from macroarch._table import format_table
 from macroarch.config import ConfigError, MacroConfig, load_yaml
 from macroarch.data.shapes import ShapesData, ensure_shapes, load_shapes, shuffled_batches

@@ -28,12 +28,10 @@ A diverged run is charged the untrained model's held-out loss.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,12 +39,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
 
 from macroarch import compose, mvas
+from macroarch._progress import tqdm
 from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
-from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
+from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, mvas_kernels, train_lm
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.machine import describe, machine_info, torch_dtype
 from macroarch.measure.stats import Estimate, Repeated, bootstrap, paired_difference
@@ -419,20 +417,6 @@ def _build(p: RecipeSettings, seed: int) -> torch.nn.Module:
     return model if dtype == torch.float32 else model.to(dtype)
 
 
-@contextlib.contextmanager
-def _mvas_compile(enabled: bool) -> Iterator[None]:
-    """``mvas.COMPILE_ENV`` set for the block (MVAS kernels compiled or eager), restored after."""
-    old = os.environ.get(mvas.COMPILE_ENV)
-    os.environ[mvas.COMPILE_ENV] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(mvas.COMPILE_ENV, None)
-        else:
-            os.environ[mvas.COMPILE_ENV] = old
-
-
 def edge_sides(sw: Sweep) -> dict[str, int]:
     """Each graded stack whose seed-mean optimum is at the grid's first (-1) or last (+1) point."""
     out = {}
@@ -464,7 +448,7 @@ def sweep(settings: RecipeSettings) -> Sweep:
                 warmup_steps=p.warmup_steps, warmup_extension=warm - 1.0, spike_threshold=p.spike_threshold,
                 **options)
 
-    with _mvas_compile(p.compile_mvas):
+    with mvas_kernels(compiled=p.compile_mvas):
         grid = [(stack, mult, p.graded_warmup, s) for stack in p.stacks for mult in p.lr_multipliers for s in seeds]
         grid += [(stack, mult, warm, s) for stack in p.stacks for warm in p.warmup_factors[:-1]
                  for mult in p.warmup_multipliers for s in seeds]

@@ -41,8 +41,8 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from torch import nn
-from tqdm.auto import tqdm
 
+from macroarch._progress import tqdm
 from macroarch._table import format_table
 from macroarch.data import BYTE_VOCAB_SIZE, MLM_VOCAB_SIZE, PAD_ID, eval_batches, lm_batches, mlm_batches
 from macroarch.experiments.loop import evaluate_lm, train_lm

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
-from tqdm.auto import tqdm
 
+from macroarch._progress import tqdm
 from macroarch._table import format_table
 from macroarch.experiments.loop import lm_step, train_round_robin
 from macroarch.experiments.settings import Settings

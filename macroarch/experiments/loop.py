@@ -8,6 +8,9 @@ each step, a callback after it (an MVAS schedule, an LR scheduler, logging), a p
 non-finite loss does (``on_nonfinite="raise"``, or ``"stop"``: the run ends there and ``TrainLog.diverged_at``
 says where). ``train_round_robin`` runs several (model, optimizer) pairs in lock step, one step of each in turn.
 
+``mvas_kernels(compiled=...)`` runs a block with MVAS's kernels compiled by ``torch.compile`` or eager (tiny models in
+short runs: a compile costs more than it saves).
+
 ``evaluate_lm`` gives the token-weighted mean cross-entropy and the next-token accuracy (the argmax of the logits at
 position t equals the token at t + 1) on held-out batches, with gradients off, the model in eval mode (restored
 afterwards) and optionally under autocast. Batches move to the model's device in both.
@@ -19,17 +22,19 @@ synchronisation, not a training loop.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
+from macroarch._progress import tqdm
 from macroarch.measure.workload import lm_loss
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -203,3 +208,20 @@ def evaluate_lm(model: nn.Module, batches: Iterable[Batch], *, autocast_dtype: t
     if tokens == 0:
         raise ValueError("evaluate_lm: the batches hold no target tokens")
     return EvalResult(total_loss / tokens, correct / tokens, tokens)
+
+
+@contextlib.contextmanager
+def mvas_kernels(*, compiled: bool) -> Iterator[None]:
+    """MVAS's kernels compiled (``torch.compile``) or eager for the block: ``macroarch.mvas.COMPILE_ENV`` set, and
+    restored after."""
+    from macroarch.mvas import COMPILE_ENV
+
+    old = os.environ.get(COMPILE_ENV)
+    os.environ[COMPILE_ENV] = "1" if compiled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(COMPILE_ENV, None)
+        else:
+            os.environ[COMPILE_ENV] = old

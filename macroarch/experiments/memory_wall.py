@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import matplotlib.pyplot as plt
 import torch
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
 
+from macroarch._progress import tqdm
 from macroarch._table import format_table
 from macroarch.experiments.settings import Settings
 from macroarch.measure.memory import (

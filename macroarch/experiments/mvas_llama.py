@@ -41,9 +41,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
 
 from macroarch import compose, mvas
+from macroarch._progress import tqdm
 from macroarch.config import DGRConfig, MacroConfig, MVASConfig, OptimConfig
 from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.loop import Batch, TrainLog, evaluate_lm, lm_step, train_round_robin

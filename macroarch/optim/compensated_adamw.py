@@ -178,7 +178,8 @@ class CompensatedAdamW(torch.optim.Optimizer):
         """Create the zero state of every parameter (or of ``params``, parameters of this optimizer) that has none
         yet, without stepping: step 0, zero moments (local to a DTensor's shard), and the master copy where
         ``uses_master``, taken from the weight now. What the first update would create; state already there is
-        kept. For loaders that fill existing tensors (``torch.distributed.checkpoint``, ``macroarch.mvas.interop.dcp``)."""
+        kept. For loaders that fill existing tensors (``torch.distributed.checkpoint``,
+        ``macroarch.mvas.interop.dcp``)."""
         params = owned_params(self, params)
         for p in params:
             self._init_state(p)

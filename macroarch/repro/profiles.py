@@ -15,8 +15,9 @@ Everything is checked before any kernel starts: a bad profile, notebook (one in 
 name), claim id, parameter name, a key given twice, a value of the wrong type or outside its range (against the
 annotation and ``[low, high]`` in the notebook's ``parameters`` cell), a value for a parameter whose default is
 not ``None`` (the run would never see it), a ``None`` parameter the profile leaves without a value, or a
-budget or timeout that is not more than 0 s and at most a day raises :class:`ConfigError` naming it. Notebooks whose parameters cell is not
-annotated yet (``name = value`` lines) get a name check only, and their values through papermill.
+budget or timeout that is not more than 0 s and at most a day raises :class:`ConfigError` naming it.
+Notebooks whose parameters cell is not annotated yet (``name = value`` lines) get a name check only, and their
+values through papermill.
 
 What a notebook needs of the machine, for the runner's schedule (:mod:`macroarch.repro.runner`): the cores of its
 resolved ``threads`` parameter (1 without one), or all of them alone where the profile marks it ``exclusive``

@@ -7,7 +7,7 @@ IPython directories), so no user's setup is read or written. Chromium opens the 
 command palette and saves; the test then checks the kernel name shown, that the kernel's imports left no
 deprecation noise on screen, a rendered figure, no error output, the saved copy's outputs, the result file, the
 W&B offline run, and that the committed notebook is byte for byte as it was. Screenshots (opened, the running
-cell, a progress bar while it runs, a figure, done) and the page's stderr text go to the test's tmp folder.
+cell, the progress widget, a figure, done) and the page's stderr text go to the test's tmp folder.
 
 Skipped, with its reason, where no browser is installed: Debian's ``chromium`` and ``chromium-driver`` (``bash
 .ci/install-browser.sh``), driven by Selenium through ``/usr/bin/chromedriver`` (no browser is downloaded).
@@ -40,6 +40,8 @@ PROFILE_LINE = 'profile: str = "cpu"'
 NOISE = "is an Enum subclass and is now natively supported by torch.compile"
 RUN_S = 600  # the ci profile's budget for this notebook is 3 minutes on a 2-core CPU; a loaded machine gets slack
 START_S = 120
+WIDGET_BAR = ".jp-OutputArea-output .widget-hprogress"  # ipywidgets' progress bar, as tqdm.notebook draws it
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 pytestmark = [
     pytest.mark.slow,
@@ -208,11 +210,12 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
             progress = []
 
             def finished():
-                if not progress and (bars := [e for e in driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output")
-                                              if "%|" in e.text]):  # a progress bar, while it runs
+                if not progress:  # the running cell in view (JupyterLab renders only what is near the view)
+                    _show(driver, ".jp-CodeCell .jp-InputArea-prompt", "[*]:")
+                if not progress and (bars := driver.find_elements(By.CSS_SELECTOR, WIDGET_BAR)):  # while it runs
                     driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", bars[0])
                     driver.save_screenshot(str(shots / "3_progress.png"))
-                    progress.append(bars[0].get_attribute("data-mime-type"))
+                    progress.append(bars[0].text)
                 prompts = _prompts(driver)
                 done = prompts and "[*]:" not in prompts and all(p.strip() not in ("[ ]:", "") for p in prompts)
                 return prompts if done else None
@@ -230,7 +233,17 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
             assert driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output img"), "no figure rendered"
             _show(driver, ".jp-OutputArea-output img")
             driver.save_screenshot(str(shots / "4_figure.png"))
+            if not progress:  # the bar outlived its cell: find it, cell by cell (only cells near the view render)
+                for cell in driver.find_elements(By.CSS_SELECTOR, ".jp-Notebook .jp-Cell"):
+                    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", cell)
+                    time.sleep(0.2)
+                    if bars := driver.find_elements(By.CSS_SELECTOR, WIDGET_BAR):
+                        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", bars[0])
+                        driver.save_screenshot(str(shots / "3_progress.png"))
+                        progress.append(bars[0].find_element(By.XPATH, "./..").text)
+                        break
             (tmp_path / "progress.txt").write_text(repr(progress))
+            assert progress, "no progress widget rendered"
             assert len(prompts) == sum(1 for c in json.loads(copy.read_text())["cells"] if c["cell_type"] == "code")
 
             before = copy.stat().st_mtime_ns
@@ -253,6 +266,10 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
     assert all(c["execution_count"] for c in code)
     assert not [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
     assert any("image/png" in o.get("data", {}) for c in code for o in c["outputs"])
+    # progress is a widget (ipywidgets is installed), not tqdm's text in a red stderr box
+    outputs = [o for c in code for o in c["outputs"]]
+    assert any(WIDGET_MIME in o.get("data", {}) for o in outputs), "no progress widget among the outputs"
+    assert not [o for o in outputs if o.get("name") == "stderr" and "%|" in "".join(o.get("text", ""))]
 
     result = read_result(result_path("C4", "ci"))
     assert result["status"] == "complete" and result["config"]["profile"] == "ci"

@@ -153,8 +153,14 @@ def test_verdict_records_every_graded_number_and_reads_old_verdicts():
 
 def test_one_sided_registry_targets_both_ways():
     c12 = get_claim("C12")
-    assert c12.grade({"memory_reduction": 0.66}, scale="s").grade == REPRODUCED  # beats 55%
-    assert c12.grade({"memory_reduction": -0.2}, scale="s").grade == CONTRADICTED
+    kept = {"held_out_loss_change": iv(-0.01, 0.01)}
+
+    def c12_grade(plain, vs_checkpoint):
+        return c12.grade({"memory_reduction": plain, "memory_reduction_vs_checkpoint": vs_checkpoint, **kept},
+                         scale="s").grade
+
+    assert c12_grade(0.66, 0.70) == REPRODUCED  # beats 55%
+    assert c12_grade(-0.2, -0.3) == CONTRADICTED
     c9 = get_claim("C9")
     fast = {"bucket_speedup_vs_ddp": iv(1.10, 1.20), "aligned_throughput_ratio": iv(1.06, 1.10)}
     assert c9.grade(fast, scale="s").grade == REPRODUCED

@@ -50,7 +50,25 @@ def test_c8_scale_rule_slowdown_is_contradicted():
 
 
 def test_c12_beating_the_claim_is_not_penalised():
-    assert _grade("C12", memory_reduction=0.66).grade == "reproduced"  # an exact byte ratio: a bare number
+    v = _grade("C12", memory_reduction=0.66, memory_reduction_vs_checkpoint=0.60,  # exact byte ratios: bare numbers
+               held_out_loss_change=_m(0.0, -0.01, 0.01))
+    assert v.grade == "reproduced"
+
+
+def test_c12_is_graded_against_the_checkpointed_baseline_as_well():
+    """C12's grade hinged on a baseline without activation checkpointing, which AlphaFold2-style training uses."""
+    v = _grade("C12", memory_reduction=0.66, memory_reduction_vs_checkpoint=0.20,
+               held_out_loss_change=_m(0.0, -0.01, 0.01))
+    assert v.grade == "partially" and "against the checkpointed one partially" in v.note
+
+
+def test_c12_c13_quality_lost_by_the_enabling_run_enters_the_grade():
+    lost = _m(0.4, 0.3, 0.5, method="paired t over held-out batches, one training seed")
+    assert _grade("C12", memory_reduction=0.66, memory_reduction_vs_checkpoint=0.60,
+                  held_out_loss_change=lost).grade == "partially"
+    assert _grade("C13", batch_growth=4.0, held_out_loss_change=lost).grade == "partially"
+    unsure = _m(0.04, 0.0, 0.08, n=4)  # crosses the 5% edge: the quality cannot be told, nor the grade
+    assert _grade("C13", batch_growth=4.0, held_out_loss_change=unsure).grade == "inconclusive"
 
 
 def test_c11_more_model_error_never_buys_reproduced():

@@ -29,6 +29,7 @@ kernel runs eagerly for the rest of the process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from macroarch._progress import SlowNotice
 from macroarch.mvas._kernels.guard import bitwise_difference, failure, step_difference
 
 __all__ = ["ENV", "CompileFailed", "compile_enabled", "compile_stats", "eligible", "register", "reset_compile_stats",
@@ -45,6 +47,7 @@ __all__ = ["ENV", "CompileFailed", "compile_enabled", "compile_stats", "eligible
 ENV = "MACROARCH_COMPILE"
 """Set to ``0`` (or ``false``, ``no``, ``off``) to run every kernel eagerly."""
 RECOMPILE_LIMIT = 64  # storage combinations one kernel source may compile in a process
+NOTICE_AFTER_S = 5.0  # a first call still compiling after this long says so on screen (macroarch._progress)
 _DEVICES = ("cpu", "cuda")
 _STATS = {"compile_seconds": 0.0, "compiles": 0, "compiled_calls": 0, "eager_calls": 0, "checks": 0,
           "check_seconds": 0.0, "mismatches": 0, "compile_failures": 0}
@@ -151,12 +154,19 @@ def _compiled(name: str, args: tuple, first: bool) -> Any:
             mark_rows_dynamic(t)
     start = time.perf_counter()
     # Kernels need neither autograd nor subclass torch functions; one state for every caller (forward inside
-    # MVASWeight's dispatch runs below autograd, the optimizer under no_grad) keeps one compiled kernel for all
+    # MVASWeight's dispatch runs below autograd, the optimizer under no_grad) keeps one compiled kernel for all.
+    # A first call may compile for a minute or more (a cold Inductor cache on a small CPU): past NOTICE_AFTER_S it
+    # says so on screen, and how long it took; a warm cache answers in well under that, silently.
+    notice = SlowNotice(f"compiling the MVAS {name} kernel with torch.compile", after=NOTICE_AFTER_S,
+                        detail="its first call for these storage formats in this process; Inductor caches the code, "
+                               "so the next run starts in seconds", prefix="macroarch.mvas") if first else None
     try:
-        if name not in _COMPILED:
-            _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True, options=_options(args))
-        with kernel_config(RECOMPILE_LIMIT), torch.no_grad(), below_autograd():
-            result = _COMPILED[name](*args)
+        with notice or contextlib.nullcontext():
+            if name not in _COMPILED:
+                _COMPILED[name] = torch.compile(_SOURCES[name], dynamic=False, fullgraph=True,
+                                                options=_options(args))
+            with kernel_config(RECOMPILE_LIMIT), torch.no_grad(), below_autograd():
+                result = _COMPILED[name](*args)
     except Exception as exc:  # noqa: BLE001  (whatever compiling raised: ``run`` answers eagerly)
         if not first:
             raise

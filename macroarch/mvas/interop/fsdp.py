@@ -14,7 +14,8 @@ all-gather):
 - ``MVASWeight.fsdp_pre_all_gather``: the all-gather inputs are the shard's **payload and
   scales**, flat; FSDP2 packs them (as bytes, dtypes differing) into its one all-gather per group, so the
   bytes on the wire are the packed bytes (fp8: 1 + 4/block bytes per element, fp4: 0.5 + 4/block);
-- ``MVASWeight.fsdp_post_all_gather``: the gathered payload and scales become the unsharded weight, an ``MVASWeight`` in the
+- ``MVASWeight.fsdp_post_all_gather``: the gathered payload and scales become the unsharded weight, an ``MVASWeight``
+  in the
   compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype`` when set), **dequantised on every read** as any
   managed weight is; FSDP2 frees and re-fills the gathered storage each step and the weight keeps reading it.
 

@@ -2,7 +2,8 @@
 
 Through dispatch (``macroarch.mvas.packed.weight``), a linear layer on an ``MVASWeight`` is ``t()`` (a new packed
 view wrapper), ``mm`` (dequantise, replay the ``t``), and in backward the same again for ``mm`` of the saved view,
-each step of it Python on top of the two dequantisations. ``MVASLinear`` does the same arithmetic as one ``autograd.Function``: forward dequantises
+each step of it Python on top of the two dequantisations. ``MVASLinear`` does the same arithmetic as one
+``autograd.Function``: forward dequantises
 the weight and runs ``F.linear`` on the dense copy, saving the input and the *packed* weight (so, as through
 dispatch, the dense weight lives for one op, not across the step); backward dequantises it again for the input's
 gradient. Every result is bitwise what the dispatch path computes (autograd's ``mm`` backward formulas, which

@@ -59,7 +59,8 @@ directly. An optimizer that writes through it declares ``supports_mvas_weights =
 wraps ``fully_shard``): ``fsdp_pre_all_gather`` returns the local shard's ``(payload, scales)`` and
 ``(format, block_size, shape)`` as metadata, ``fsdp_post_all_gather`` wraps the gathered payload and scales in an
 ``MVASWeight`` (dequantised on use as here); dim-0 shards must be whole blocks of the flat payload
-(``shard_problem``). While ``sharding()`` is on (``interop.fsdp.fully_shard``), ``is_contiguous()`` is True for a weight that is no view
+(``shard_problem``). While ``sharding()`` is on (``interop.fsdp.fully_shard``), ``is_contiguous()`` is True for a
+weight that is no view
 and ``new_zeros`` / ``new_empty`` give packed zero weights (FSDP2's shard buffers); otherwise both are as above.
 The optimizer-step pre-hook also looks inside DTensors (a sharded weight's local tensor).
 
@@ -441,7 +442,8 @@ class MVASWeight(torch.Tensor):
         fmt, block, shape = metadata
         if out is not None:
             inner = getattr(out, "payload", None)
-            if inner is None or inner.untyped_storage().data_ptr() != all_gather_outputs[0].untyped_storage().data_ptr():
+            gathered = all_gather_outputs[0].untyped_storage().data_ptr()
+            if inner is None or inner.untyped_storage().data_ptr() != gathered:
                 raise RuntimeError("FSDP2 re-gathered an MVAS weight into storage the unsharded weight does not read")
             return None
         payload = all_gather_outputs[0].reshape(-1)

@@ -1,4 +1,5 @@
-"""macroarch.mvas.interop.dcp: packed weights and quantised moments through torch.distributed.checkpoint, saved on 2 gloo
+"""macroarch.mvas.interop.dcp: packed weights and quantised moments through torch.distributed.checkpoint, saved on 2
+gloo
 ranks (FSDP2, launched as torchrun launches), loaded on 1 (this process) and saved back, loaded on 2: bit for bit."""
 
 import os
@@ -82,7 +83,8 @@ def rank_load(path):
 
 def run(target, **kwargs):
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    return [o.result for o in launch(f"test_interop_dcp:{target}", 2, kwargs=kwargs, timeout=120, pg_timeout=60, env=env)]
+    outcomes = launch(f"test_interop_dcp:{target}", 2, kwargs=kwargs, timeout=120, pg_timeout=60, env=env)
+    return [o.result for o in outcomes]
 
 
 def test_two_ranks_to_one_and_back_is_bit_exact_and_other_layouts_are_refused(tmp_path):

@@ -1,4 +1,5 @@
-"""macroarch.mvas.interop.fsdp: MVAS weights sharded and all-gathered packed by FSDP2, on 2 gloo ranks launched as torchrun
+"""macroarch.mvas.interop.fsdp: MVAS weights sharded and all-gathered packed by FSDP2, on 2 gloo ranks launched as
+torchrun
 launches them (one launch for every distributed check); the storage operations and the refusals in-process."""
 
 import os
@@ -91,8 +92,8 @@ def rank_checks(fmt):
 @pytest.fixture(scope="module")
 def two_ranks():
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    return [o.result for o in launch("test_interop_fsdp:rank_checks", 2, kwargs={"fmt": "fp8"}, timeout=150, pg_timeout=60,
-                                     env=env)]
+    outcomes = launch("test_interop_fsdp:rank_checks", 2, kwargs={"fmt": "fp8"}, timeout=150, pg_timeout=60, env=env)
+    return [o.result for o in outcomes]
 
 
 @pytest.mark.distributed

@@ -1,4 +1,5 @@
-"""``F.linear`` on a managed weight as one autograd node (``macroarch.mvas.packed.linear``), against the dispatch path."""
+"""``F.linear`` on a managed weight as one autograd node (``macroarch.mvas.packed.linear``), against the dispatch
+path."""
 
 import pytest
 import torch
