@@ -237,6 +237,10 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+#: macroarch.measure.memory.PRECISIONS by name (the parser is built without importing torch; a test holds them equal)
+MEMORY_PRECISIONS = ("fp32", "fp16", "post", "bf16_mixed", "mixed")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macroarch", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -272,12 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_cmd_claims)
 
     ru = sub.add_parser("runs", help="list result files and W&B offline runs")
-    ru.add_argument("--profile", default=None)
+    ru.add_argument("--profile", default=None, help=f"only this profile's runs, one of {', '.join(PROFILES)} "
+                                                    "(default: every profile)")
     ru.set_defaults(fn=_cmd_runs)
 
     m = sub.add_parser("memory", help="analytic training-state bytes of a named model")
     m.add_argument("model", help="a model spec name, e.g. gpt3_175b, llama_65b")
-    m.add_argument("--precision", default="bf16_mixed")
+    m.add_argument("--precision", default="bf16_mixed", choices=MEMORY_PRECISIONS,
+                   help="the training-state accounting: fp32, fp16, post (the post's 8 B/param), bf16_mixed "
+                        "(16 B/param: bf16 weights and gradients, fp32 master and Adam moments) or mixed; default "
+                        "bf16_mixed")
     m.set_defaults(fn=_cmd_memory)
 
     cf = sub.add_parser("config", help="technique configs (YAML such as configs/clip_post.yaml)")

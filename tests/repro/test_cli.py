@@ -121,3 +121,32 @@ def test_console_script_exit_status(tmp_path):
     exe = [sys.executable, "-m", "macroarch.repro.cli", "reproduce", "--profile", "nope"]
     p = subprocess.run(exe, capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2 and "unknown profile 'nope'" in p.stderr
+
+
+def _options(parser):
+    """Every option and positional of ``parser`` and its subcommands, as (command path, action)."""
+    import argparse
+
+    out = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += [(f"{name} {path}".strip(), a) for path, a in _options(sub)]
+        elif not isinstance(action, argparse._HelpAction):
+            out.append(("", action))
+    return out
+
+
+def test_every_option_of_every_command_has_help_text():
+    from macroarch.repro.cli import build_parser
+
+    missing = [f"macroarch {path} {'/'.join(a.option_strings) or a.dest}" for path, a in _options(build_parser())
+               if not (a.help or "").strip() and not isinstance(a, type(None))]
+    assert not missing, "options without help: " + ", ".join(missing)
+
+
+def test_memory_precisions_are_the_packages():
+    from macroarch.measure.memory import PRECISIONS
+    from macroarch.repro.cli import MEMORY_PRECISIONS
+
+    assert tuple(PRECISIONS) == MEMORY_PRECISIONS
