@@ -309,12 +309,13 @@ def test_seed_offset_changes_the_seed_and_keeps_the_results_apart(project, isola
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two notebooks side by side need two cores")
 def test_real_ci_notebooks_two_at_once_under_the_lock(isolated, capsys):
-    """02 and 09 side by side, after 07 (exclusive) alone: the results, the lock while they run, timings.json."""
+    """02 and 09 side by side, after 03 (exclusive, the shortest such) alone: the results, the lock while they run,
+    timings.json."""
     import threading
 
     done = {}
     t = threading.Thread(target=lambda: done.update(outcomes=runner.reproduce(
-        "ci", only="C4,C9,C11", jobs=2, echo=lambda *a, **k: None)))
+        "ci", only="C4,C5,C11", jobs=2, echo=lambda *a, **k: None)))
     t.start()
     path = isolated / "out" / "ci" / "timings.json"
     deadline = time.monotonic() + 600
@@ -331,11 +332,11 @@ def test_real_ci_notebooks_two_at_once_under_the_lock(isolated, capsys):
     assert locked, "never saw both notebooks running"
     assert "is already being reproduced" in capsys.readouterr().err
     assert [(o.job.stem, o.status) for o in done["outcomes"]] == [
-        ("07_comm_bucketing", "ok"), ("02_memory_wall", "ok"), ("09_hardware_speedups", "ok")]
-    for claim in ("C4", "C9", "C11"):
+        ("03_zero3_communication", "ok"), ("02_memory_wall", "ok"), ("09_hardware_speedups", "ok")]
+    for claim in ("C4", "C5", "C11"):
         assert read_result(result_path(claim, "ci"))["status"] == "complete", claim
     nb = json.loads(path.read_text())["notebooks"]
-    ex = nb["07_comm_bucketing"]
+    ex = nb["03_zero3_communication"]
     assert ex["beside"] == [] and all(ex["end_s"] <= nb[s]["start_s"] for s in ("02_memory_wall",
                                                                               "09_hardware_speedups"))
     assert nb["02_memory_wall"]["beside"] == ["09_hardware_speedups"]
