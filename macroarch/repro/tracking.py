@@ -33,8 +33,9 @@ Guarantees, because the paper trusts these files:
 
 The W&B run: config = the parameters plus claim, profile, git commit and machine; ``group`` = profile,
 ``job_type`` = notebook; metric names grouped by claim and kind (see the sidecar); the verdict as a one-row
-table; system metrics of the measuring process and its console output; at the end an ``evidence`` artifact
-(``result.json``, figures and, under the runner, the executed notebook).
+table and its graded numbers as a bar chart ``<claim>/graded`` (value, interval, n, kind and grade per number);
+series as line charts against ``step``; system metrics of the measuring process and its console output; at the
+end an ``evidence`` artifact (``result.json``, figures and, under the runner, the executed notebook).
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def _naming(e: OSError, path: Path) -> OSError:
     return OSError(e.errno, e.strerror or str(e), str(path)) if e.errno is not None else \
         OSError(_errno.EIO, str(e) or type(e).__name__, str(path))
 
+
+GRADED_COLUMNS = ("number", "value", "low", "high", "n", "kind", "grade")
+"""The columns of each run's W&B chart ``<claim>/graded``: one row per graded number of its verdict."""
 
 #: the top-level keys of a result file and the JSON types each may hold (None: null). A key may be absent (files
 #: written before it existed stay readable); present with another type, the file is not a result.
@@ -396,6 +400,11 @@ class Run:
         # a table cell holds text: the per-number estimates go in as one JSON string
         cells = {**v, "estimates": json.dumps(v.get("estimates") or {}, sort_keys=True)}
         self._send("table", key=f"{self.claim}/verdict", columns=list(cells), rows=[list(cells.values())])
+        if v.get("estimates"):  # the graded numbers as a bar chart, their intervals, n and grades beside
+            rows = [[name, e.get("value"), e.get("low"), e.get("high"), e.get("n"), e.get("kind"), e.get("grade")]
+                    for name, e in v["estimates"].items()]
+            self._send("bar", key=f"{self.claim}/graded", columns=list(GRADED_COLUMNS), rows=rows,
+                       label="number", value="value", title=f"{self.claim}: the graded numbers ({v['grade']})")
         self._flush()
         return verdict
 

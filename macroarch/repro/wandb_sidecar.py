@@ -277,6 +277,11 @@ class _Worker:
 
         self.run.log({key: wandb.Table(columns=columns, data=rows)})
 
+    def _op_bar(self, key: str, columns: list, rows: list, label: str, value: str, title: str) -> None:
+        import wandb
+
+        self.run.log({key: wandb.plot.bar(wandb.Table(columns=columns, data=rows), label, value, title=title)})
+
     def _op_console(self, stream: str, text: str) -> None:
         (sys.stderr if stream == "stderr" else sys.stdout).write(text)
 

@@ -63,6 +63,14 @@ def test_complete_run_writes_result_and_offline_wandb(isolated):
     loss = [(row["step"], row["C4/series/loss"]) for row in w.history if "C4/series/loss" in row]
     assert loss == [(s["step"], s["value"]) for s in r["series"]["loss"]]
     assert w.summary["C4/verdict"]["_type"] == "table-file" and w.summary["C4/tables/sweep"]["nrows"] == 2
+    # the verdict's graded numbers as a bar chart: its table holds each number with its interval, n, kind and grade
+    graded = w.summary["C4/graded_table"]
+    assert len(r["verdict"]["estimates"]) == 2  # post_accounting_bytes, mixed_precision_bytes
+    assert graded["_type"] == "table-file" and (graded["ncols"], graded["nrows"]) == (7, 2)
+    (table,) = [p for p in w.directory.rglob("*.table.json") if "graded" in p.name]
+    rows = json.loads(table.read_text())
+    assert rows["columns"] == ["number", "value", "low", "high", "n", "kind", "grade"]
+    assert {row[0]: row[1] for row in rows["data"]} == {k: e["value"] for k, e in r["verdict"]["estimates"].items()}
     assert w.exit_code == 0
     # the evidence, as an artifact whose files live in the run's folder
     (art,) = [a for a in w.artifacts if a.type == "evidence"]
