@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROFILE ?= cpu
 
-.PHONY: reproduce test compat lab paper runs view docs lint venv lock clean-runs
+.PHONY: reproduce test compat lab paper runs view docs lint venv lock clean-runs nbfilter
 
 venv: $(STAMP)
 
@@ -17,8 +17,14 @@ $(STAMP): requirements.txt pyproject.toml
 	@# JupyterLab's kernel for the notebooks (they ask for "macroarch": this venv's python), and git's filter that
 	@# keeps committed notebooks output-stripped whatever a user runs or saves in them
 	$(BIN)/python -m ipykernel install --sys-prefix --name macroarch --display-name "Python 3 (macroarch)" >/dev/null
-	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbstripout --install --keep-id; fi
+	@$(MAKE) --no-print-directory nbfilter
 	@touch $@
+
+# git's clean filter for notebooks (nbstripout, cell ids kept: `nbstripout --install --keep-id` does not keep the
+# option in the filter it installs, and without it every committed notebook would show as modified).
+nbfilter:
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbstripout --install && \
+	  git config filter.nbstripout.clean '"$(abspath $(BIN))/python" -m nbstripout --keep-id'; fi
 
 # The main job: every notebook of the cpu profile (W&B offline unless configured), then paper/.
 reproduce: $(STAMP)
