@@ -21,10 +21,12 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 
 # git's clean filter for notebooks (nbstripout, cell ids kept: `nbstripout --install --keep-id` does not keep the
-# option in the filter it installs, and without it every committed notebook would show as modified).
+# option in the filter it installs, and without it every committed notebook would show as modified), then one index
+# refresh, so that git status (each run records the commit) does not filter every notebook of a fresh clone again.
 nbfilter:
 	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbstripout --install && \
-	  git config filter.nbstripout.clean '"$(abspath $(BIN))/python" -m nbstripout --keep-id'; fi
+	  git config filter.nbstripout.clean '"$(abspath $(BIN))/python" -m nbstripout --keep-id' && \
+	  { git update-index -q --refresh >/dev/null || true; }; fi
 
 # The main job: every notebook of the cpu profile (W&B offline unless configured), then paper/.
 reproduce: $(STAMP)

@@ -175,8 +175,9 @@ def notebook_problem(path: Path, *, complete: bool = True) -> str | None:
     """What keeps an executed notebook from being evidence, in a few words, or None if nothing does. It must be a
     whole file (a JSON object: a truncated write is not one; a failed or partial notebook needs no more); with
     ``complete`` also a notebook (a ``cells`` list) whose execution papermill recorded as ending cleanly
-    (``metadata.papermill`` with an ``end_time`` and no ``exception``), what a notebook that passes as a run's
-    clean outcome must be. Only the file is read, no kernel."""
+    (``metadata.papermill`` with an ``end_time`` and no ``exception``), or an interactive run's recording
+    (``metadata.macroarch``, :mod:`macroarch.repro.interactive`) whose last cell did not raise: what a notebook
+    that passes as a run's clean outcome must be. Only the file is read, no kernel."""
     try:
         with Path(path).open(encoding="utf-8") as f:
             nb = json.load(f)
@@ -192,7 +193,13 @@ def notebook_problem(path: Path, *, complete: bool = True) -> str | None:
         return None
     if not isinstance(nb.get("cells"), list):
         return "not a notebook (no list of cells)"
-    pm = (nb.get("metadata") or {}).get("papermill") if isinstance(nb.get("metadata"), dict) else None
+    meta = nb.get("metadata") if isinstance(nb.get("metadata"), dict) else {}
+    own = meta.get("macroarch")
+    if isinstance(own, dict) and own.get("interactive"):  # an interactive run's (macroarch.repro.interactive)
+        if own.get("exception"):
+            return "its last cell raised"
+        return None if own.get("end_time") else "no end time recorded"
+    pm = meta.get("papermill")
     if not isinstance(pm, dict):
         return "no papermill record of its execution"
     if pm.get("exception"):
@@ -241,13 +248,16 @@ def run_is_alive(result: Mapping[str, Any]) -> bool:
 
 def git_commit(root: Path | None = None) -> str | None:
     """The checkout's HEAD, with ``+dirty`` if tracked files differ from it; ``None`` outside git.
-    ``paper/`` is output, not code: a rebuilt paper does not make the next run dirty."""
+    ``paper/`` is output, not code: a rebuilt paper does not make the next run dirty. ``git status`` may run the
+    notebooks' clean filter (nbstripout, a Python process per notebook whose index entry is stale: every one, in
+    a fresh clone, until an index refresh), so it gets a minute; ``make`` refreshes the index once it installs
+    the filter."""
     root = root or project_root()
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)paper"], cwd=root, capture_output=True, text=True, timeout=10).stdout
+                                ":(exclude)paper"], cwd=root, capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty.strip() else "")
@@ -450,6 +460,10 @@ class Run:
             self._data["error"] = {"type": type(error).__name__, "message": str(error), "traceback": tb[-4000:]}
         _ACTIVE.discard(self)
         self._flush()  # the measurement is on disk before anything waits on W&B
+        from macroarch.repro.interactive import recorder
+
+        if (rec := recorder()) is not None:  # JupyterLab: this kernel's executed notebook, rewritten after each cell
+            rec.target(self.path.parent.parent / f"{self._data['notebook']}.ipynb")
         if self._sidecar is None:
             return
         summary = {"status": self._data["status"], "finished": self._data["finished"]}
@@ -603,6 +617,9 @@ def start_run(claim: str, profile: str, config: Mapping[str, Any] | None = None)
     run = Run(claim, profile, config, result_path(claim, profile))
     run._start()
     run._watch_ipython()
+    from macroarch.repro.interactive import recorder
+
+    recorder()  # in JupyterLab, this kernel records what it executes from here on (the run's evidence)
     return run
 
 

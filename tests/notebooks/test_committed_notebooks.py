@@ -54,6 +54,11 @@ def test_the_makefiles_filter_keeps_ids_and_a_fresh_checkout_is_clean(tmp_path):
     status = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True,
                             check=True).stdout
     assert status == "", status
+    from macroarch.repro.tracking import git_commit
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert git_commit(tmp_path) == head  # what every run records: the commit, not dirty, not None
     committed = subprocess.run(["git", "show", f"HEAD:notebooks/{NOTEBOOKS[0].name}"], cwd=tmp_path,
                                capture_output=True, text=True, check=True).stdout
     assert committed == NOTEBOOKS[0].read_text(encoding="utf-8")  # ids and all, byte for byte

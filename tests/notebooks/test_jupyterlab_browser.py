@@ -6,7 +6,8 @@ asks for, running this interpreter, in a temporary ``JUPYTER_DATA_DIR`` (with Ju
 IPython directories), so no user's setup is read or written. Chromium opens the notebook, runs all cells from the
 command palette and saves; the test then checks the kernel name shown, that the kernel's imports left no
 deprecation noise on screen, a rendered figure, no error output, the saved copy's outputs, the result file, the
-W&B offline run, and that the committed notebook is byte for byte as it was. Screenshots (opened, the running
+W&B offline run, the executed notebook the kernel recorded as evidence (as papermill's would be), and that the
+committed notebook is byte for byte as it was. Screenshots (opened, the running
 cell, the progress widget, a figure, done) and the page's stderr text go to the test's tmp folder.
 
 Skipped, with its reason, where no browser is installed: Debian's ``chromium`` and ``chromium-driver`` (``bash
@@ -166,7 +167,8 @@ def _prompts(driver) -> list[str]:
 
 
 def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tmp_path):
-    from macroarch.repro.tracking import read_result, result_path
+    from macroarch.repro.paper import record_from_result
+    from macroarch.repro.tracking import notebook_problem, read_result, result_path
     from macroarch.repro.wandb_offline import find_offline_runs
 
     committed = hashlib.sha256(NOTEBOOK.read_bytes()).hexdigest()
@@ -276,6 +278,18 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
     assert result["verdict"]["grade"]
     runs = [r for r in find_offline_runs(isolated) if r.run_id == result["wandb"]["id"]]
     assert runs and runs[0].group == "ci" and runs[0].config["profile"] == "ci"
+
+    # the kernel recorded its executed notebook as the run's evidence, where a batch run's goes, as papermill's is
+    evidence = isolated / "out" / "ci" / f"{STEM}.ipynb"
+    assert notebook_problem(evidence) is None, notebook_problem(evidence)
+    recorded = json.loads(evidence.read_text())
+    assert recorded["metadata"]["macroarch"]["interactive"] and recorded["metadata"]["kernelspec"] == kernelspec
+    assert [c["cell_type"] for c in recorded["cells"]] == [c["cell_type"] for c in saved["cells"]]
+    run_code = [c for c in recorded["cells"] if c["cell_type"] == "code"]
+    assert [c["execution_count"] for c in run_code] == [c["execution_count"] for c in code]
+    assert any("image/png" in o.get("data", {}) for c in run_code for o in c["outputs"]), "no figure recorded"
+    assert any(WIDGET_MIME in o.get("data", {}) for c in run_code for o in c["outputs"]), "no progress recorded"
+    assert record_from_result(result, result_path("C4", "ci")).evidence == evidence  # the paper's evidence
 
     assert hashlib.sha256(NOTEBOOK.read_bytes()).hexdigest() == committed, f"{NOTEBOOK} was changed"
     shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)  # the screenshots and the log stay
