@@ -643,7 +643,7 @@ def plot(sw: Sweep, a: Analysis) -> Figure:
            ylim=(min(span) - 0.08 * (max(span) - min(span)), max(span) + 0.08 * (max(span) - min(span))),
            xlabel="stacks compared (same warmup, paired seeds)", ylabel="LR optimum ratio, macro (or mvas) / plain (x)",
            title="the graded shift: best_lr_multiplier")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))  # below the two-line tick and the label
 
     ax = axes[2]
     for (stack, warm), curve in mean_curves(sw).items():

@@ -293,6 +293,11 @@ def test_plot_and_texts_render(tmp_path):
     fig.savefig(tmp_path / "c10.png")
     panels, twin = fig.axes[:4], fig.axes[4]  # the spike-guard panel's loss axis shares its x axis
     assert all(ax.get_xlabel() and ax.get_ylabel() for ax in panels) and twin.get_ylabel()
+    renderer = fig.canvas.get_renderer()
+    for ax in panels:  # each legend below its panel, clear of the x label and the tick labels
+        legend, label = ax.get_legend(), ax.xaxis.label.get_window_extent(renderer)
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        assert legend is not None and legend.get_window_extent(renderer).y1 <= min([label.y0, *(t.y0 for t in ticks)])
     shift = panels[1]  # the graded shift's axis holds the post's band, the estimate and its interval
     e = a.estimates["best_lr_multiplier"]
     low, high = shift.get_ylim()
