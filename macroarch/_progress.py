@@ -18,13 +18,13 @@ import time
 from typing import Any
 
 #: set by the runner in the kernels it starts (``macroarch.repro.tracking.EVIDENCE_ENV``): a batch run
-_BATCH_ENV = "MACROARCH_EVIDENCE"
+BATCH_ENV = "MACROARCH_EVIDENCE"
 
 
 def widgets_available() -> bool:
     """Whether progress can be a widget here: an IPython kernel (not a terminal IPython), ipywidgets importable,
     and not a kernel of ``macroarch reproduce``."""
-    if os.environ.get(_BATCH_ENV):
+    if os.environ.get(BATCH_ENV):
         return False
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None

@@ -59,4 +59,4 @@ def test_text_outside_a_kernel_and_in_the_runners_kernels(monkeypatch):
 def test_the_runners_kernel_variable_is_the_evidence_one():
     from macroarch.repro.tracking import EVIDENCE_ENV
 
-    assert _progress._BATCH_ENV == EVIDENCE_ENV
+    assert _progress.BATCH_ENV == EVIDENCE_ENV

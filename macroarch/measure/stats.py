@@ -336,6 +336,27 @@ class Repeated:
             raise IndexError(f"Repeated: no repetition {i} of {self.n}")
         return Repeated(self.build, tuple(a[:i] + a[i + 1:] for a in self.arrays), self.group, self.options)
 
+    def to_dict(self) -> dict:
+        """JSON-ready, so that a result file can be regraded from its own raw data: ``build`` as
+        ``"module:qualname"`` (a module-level function), the arrays, the group and the options (tuples as lists)."""
+        name = f"{self.build.__module__}:{self.build.__qualname__}"
+        if "<" in name:
+            raise ValueError(f"Repeated.to_dict: build {name} is not a module-level function")
+        return {"build": name, "arrays": [list(a) for a in self.arrays], "group": self.group,
+                "options": {k: list(v) if isinstance(v, tuple) else v for k, v in self.options.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Repeated:
+        """The inverse of :meth:`to_dict` (lists in the options back as tuples)."""
+        import importlib
+
+        module, _, qualname = str(d["build"]).partition(":")
+        build = importlib.import_module(module)
+        for part in qualname.split("."):
+            build = getattr(build, part)
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(d.get("options") or {}).items()}
+        return cls(build, tuple(tuple(a) for a in d["arrays"]), str(d.get("group", "seeds")), options)
+
 
 def n_to_decide(estimate: Estimate, boundary: float) -> int | None:
     """The n at which the interval would clear ``boundary``, from the run's own spread.

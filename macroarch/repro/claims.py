@@ -880,6 +880,17 @@ class Stability:
     def stable(self) -> bool:
         return not self.changes
 
+    def text(self) -> str:
+        """``stable``, or ``unstable (without seeds 2: partially, ...)``: the paper's mark."""
+        if self.stable:
+            return "stable"
+        return "unstable (" + ", ".join(f"without {c.group} {c.index}: {c.grade}" for c in self.changes[:3]) + \
+            ("..." if len(self.changes) > 3 else "") + ")"
+
+    def to_dict(self) -> dict:
+        return {"grade": self.grade, "changes": [{"group": c.group, "index": c.index, "grade": c.grade}
+                                                 for c in self.changes]}
+
 
 def regrade_leaving_out(claim: Claim | str, per_seed_or_block_data: Mapping[str, object], *,
                         fixed: Mapping[str, object] | None = None) -> Stability:
@@ -917,9 +928,19 @@ def regrade_leaving_out(claim: Claim | str, per_seed_or_block_data: Mapping[str,
     return Stability(full, tuple(changes))
 
 
+def regrade_record(claim: Claim | str, record: Mapping[str, object]) -> Stability:
+    """:func:`regrade_leaving_out` from a result's ``stability`` record (``Run.leave_one_out`` stores the raw
+    repetitions, their builds and the fixed numbers beside the outcome): the committed results regraded from
+    their own data, independently of the run that recorded them."""
+    from macroarch.measure.stats import Repeated
+
+    data = {k: Repeated.from_dict(v) for k, v in dict(record["repeated"]).items()}
+    return regrade_leaving_out(claim, data, fixed=dict(record.get("fixed") or {}))
+
+
 __all__ = [
     "AT_LEAST", "AT_MOST", "CLAIMS", "CONTRADICTED", "Change", "Claim", "DIRECTIONS", "EXACT", "GRADES", "Graded",
     "INCONCLUSIVE", "NOT_REPRODUCED", "NOT_TESTABLE", "NO_WORSE", "PARTIALLY", "REPRODUCED", "Stability",
-    "TWO_SIDED", "Target", "Verdict", "combine", "get_claim", "parse_claim_ids", "regrade_leaving_out", "settle",
-    "settle_combined",
+    "TWO_SIDED", "Target", "Verdict", "combine", "get_claim", "parse_claim_ids", "regrade_leaving_out",
+    "regrade_record", "settle", "settle_combined",
 ]

@@ -42,9 +42,9 @@ def _now() -> str:
 
 def _shell() -> Any:
     """The interactive kernel's shell, or None (a terminal, a script, a batch kernel of the runner)."""
-    from macroarch._progress import _BATCH_ENV
+    from macroarch._progress import BATCH_ENV
 
-    if os.environ.get(_BATCH_ENV):
+    if os.environ.get(BATCH_ENV):
         return None
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None

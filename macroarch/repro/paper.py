@@ -86,6 +86,7 @@ class ClaimRecord:
     evidence: Path | None = None  # the executed notebook
     wandb_run: str | None = None
     origin: str = ""  # where the record was read from (not rendered)
+    stability: dict[str, Any] | None = None  # the run's leave-one-out check (Run.leave_one_out), raw data included
 
 
 def paper_folder(profile: str) -> Path:
@@ -146,7 +147,8 @@ def record_from_result(r: Mapping[str, Any], path: Path, out: Path | None = None
         metrics=dict(r.get("metrics") or {}) if state == MEASURED else {}, error=error,
         figures={n: p for n, p in figures.items() if p.is_file()} if state == MEASURED else {},
         evidence=_evidence_file(state, notebook, profile, r.get("started"), out),
-        wandb_run=(r.get("wandb") or {}).get("id"), origin=str(path))
+        wandb_run=(r.get("wandb") or {}).get("id"), origin=str(path),
+        stability=r.get("stability") if state == MEASURED else None)
 
 
 def from_results(profile: str, out: Path | None = None, *, unreadable: bool = False) -> dict[str, ClaimRecord]:
@@ -345,7 +347,9 @@ def _verdict_text(r: ClaimRecord | None) -> str:
     if r is None:
         return NOT_MEASURED
     if r.state == MEASURED:
-        return f"**{r.verdict.get('grade')}**"
+        changes = (r.stability or {}).get("changes") if isinstance(r.stability, Mapping) else None
+        unstable = f" (unstable: {len(changes)} left-out repetition(s) change it)" if changes else ""
+        return f"**{r.verdict.get('grade')}**{unstable}"
     if r.state == FAILED:
         return f"**failed**: {r.error}"
     if r.state == INTERRUPTED:

@@ -130,6 +130,7 @@ RESULT_TYPES: dict[str, tuple[type, ...]] = {
     "config": (dict,), "metrics": (dict,), "series": (dict,), "tables": (dict,), "figures": (list,),
     "estimates": (dict,), "verdict": (dict, type(None)), "error": (dict, type(None)),
     "wandb": (dict, type(None)), "compile": (dict, type(None)), "previous": (dict, type(None)),
+    "stability": (dict, type(None)),
 }
 _JSON_NAMES = {str: "a string", int: "a whole number", dict: "an object", list: "a list", type(None): "null",
                float: "a number", bool: "a boolean"}
@@ -360,6 +361,23 @@ class Run:
         ests = {k: as_estimate(e) for k, e in estimates.items()}
         self._data.setdefault("estimates", {}).update({k: e.to_dict() for k, e in ests.items()})
         self.summary(**{k: e.value for k, e in ests.items()})
+
+    def leave_one_out(self, repeated: Mapping[str, Any]) -> Any:
+        """Regrade this claim with each seed (each timing block) left out in turn, and record the outcome with the
+        raw data it was computed from (``result["stability"]``: the grade, every left-out repetition that changes
+        it, each metric's :class:`~macroarch.measure.stats.Repeated` as a dict, and the other numbers as they were
+        recorded), so the paper marks a grade that rests on one repetition as unstable and a reader can regrade.
+        Call it after every graded number is recorded, before :meth:`verdict`; returns the
+        :class:`~macroarch.repro.claims.Stability`."""
+        from macroarch.repro.claims import regrade_leaving_out
+
+        fixed = {k: v for k, v in self.measurements.items() if k not in repeated}
+        stability = regrade_leaving_out(self.claim, repeated, fixed=fixed)
+        record = {**stability.to_dict(), "repeated": {k: r.to_dict() for k, r in repeated.items()}, "fixed": fixed}
+        self._data["stability"] = json.loads(json.dumps(record, default=_json_default))
+        self._send("summary", values={"stability": stability.text()})
+        self._flush()
+        return stability
 
     @property
     def measurements(self) -> dict[str, Any]:

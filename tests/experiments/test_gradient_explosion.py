@@ -243,7 +243,11 @@ def test_r1_seeds_train_hc_and_mhc_at_every_seed_and_grade_per_seed_ratios(text,
     assert set(residual.runs[0]) == {"residual", "hc", "mhc"} and set(residual.runs[1]) == {"hc", "mhc"}
     again = gx.train_residual("mhc", text, steps=3, lr=3e-3, layers=1, width=16, n_streams=2, seq_len=16,
                               batch_size=2, gain_every=5, n_eval_batches=1, seed=2)
-    assert again.losses == residual.runs[2]["mhc"].losses and again.gains == residual.runs[2]["mhc"].gains
+    assert again.losses == residual.runs[2]["mhc"].losses  # the same seed, the same run
+    # the gains are float64 products of the mixing matrices, whose last bits follow the BLAS's alignment-dependent
+    # reduction order (seen on an AVX-512 EPYC: 1.000000710397571 against 1.000000709956242)
+    assert [s for s, _ in again.gains] == [s for s, _ in residual.runs[2]["mhc"].gains]
+    assert [g for _, g in again.gains] == pytest.approx([g for _, g in residual.runs[2]["mhc"].gains], rel=1e-9)
     e = residual.estimates()
     hc, mhc = residual.peaks("hc"), residual.peaks("mhc")
     ratio = e["hc_over_mhc_gain"]

@@ -251,3 +251,33 @@ def test_new_run_drops_old_figures(isolated, monkeypatch):
     with start_run("C4", "ci", {}) as run:
         run.verdict(_verdict())
     assert not (d / "stale.png").exists()
+
+
+def test_leave_one_out_is_recorded_with_its_raw_data_and_regrades_from_the_file(isolated, monkeypatch):
+    from macroarch.experiments.dgr_variance import _factor_estimate
+    from macroarch.measure.stats import Repeated
+    from macroarch.repro.claims import regrade_record
+    from macroarch.repro.paper import claims_table, record_from_result
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    factors = (9.0, 9.2, 8.8, 2.0)  # one seed far off: with it the interval crosses the target's edge
+    repeated = {"variance_reduction_factor": Repeated(_factor_estimate, (factors,))}
+    with start_run("C6", "ci", {}) as run:
+        run.estimate(variance_reduction_factor=_factor_estimate(factors))
+        run.summary(layer_spread_factor=1.5)
+        stability = run.leave_one_out(repeated)
+        verdict = run.verdict(get_claim("C6").grade(run.measurements, scale="test"))
+    assert stability.grade == verdict.grade == "inconclusive"
+    assert [(c.group, c.index, c.grade) for c in stability.changes] == [("seeds", 3, "reproduced")]
+    r = read_result(result_path("C6", "ci"))
+    rec = r["stability"]
+    assert rec["grade"] == "inconclusive" and rec["changes"] == [{"group": "seeds", "index": 3, "grade": "reproduced"}]
+    assert rec["repeated"]["variance_reduction_factor"] == {
+        "build": "macroarch.experiments.dgr_variance:_factor_estimate", "arrays": [list(factors)], "group": "seeds",
+        "options": {}}
+    assert rec["fixed"] == {"layer_spread_factor": 1.5}
+    again = regrade_record("C6", json.loads(json.dumps(rec)))  # from the file alone
+    assert again == stability
+    record = record_from_result(r, result_path("C6", "ci"))
+    assert "**inconclusive** (unstable: 1 left-out repetition(s) change it)" in claims_table({"C6": record},
+                                                                                            isolated / "paper")

@@ -141,9 +141,11 @@ def strength(r: Any, claim: Claim) -> str:
 def stability(r: Any) -> str:
     """The leave-one-out mark: ``stable``, ``unstable (...)`` from a recorded check, else ``not checked``.
 
-    A run records it as ``metrics["stability"]``, the ``dataclasses.asdict`` form of
-    :class:`macroarch.repro.claims.Stability` (``regrade_leaving_out``'s result)."""
-    s = r.metrics.get("stability") if r is not None else None
+    A run records it with ``Run.leave_one_out`` (the record's ``stability``: the grade, the changes and the raw
+    data); ``metrics["stability"]`` in the same form is read too."""
+    s = getattr(r, "stability", None) if r is not None else None
+    if not isinstance(s, Mapping):
+        s = r.metrics.get("stability") if r is not None else None
     if not isinstance(s, Mapping) or "changes" not in s:
         return "not checked"
     changes = s.get("changes") or []
