@@ -20,12 +20,17 @@ $(STAMP): requirements.txt pyproject.toml
 	@$(MAKE) --no-print-directory nbfilter
 	@touch $@
 
-# git's clean filter for notebooks (nbstripout, cell ids kept: `nbstripout --install --keep-id` does not keep the
-# option in the filter it installs, and without it every committed notebook would show as modified), then one index
-# refresh, so that git status (each run records the commit) does not filter every notebook of a fresh clone again.
+# git's clean filter for notebooks, as .gitattributes names it: nbstripout with cell ids kept (its own --install
+# drops --keep-id and writes *.ipynb into .git/info/attributes, which outranks .gitattributes and so would strip the
+# paper's evidence notebooks too: such lines of an older checkout are removed), then one index refresh, so that git
+# status (each run records the commit) does not filter every notebook of a fresh clone again.
+NBSTRIP := "$(abspath $(BIN))/python" -m nbstripout
 nbfilter:
-	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then $(BIN)/nbstripout --install && \
-	  git config filter.nbstripout.clean '"$(abspath $(BIN))/python" -m nbstripout --keep-id' && \
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then \
+	  git config filter.nbstripout.clean '$(NBSTRIP) --keep-id' && git config filter.nbstripout.smudge cat && \
+	  git config filter.nbstripout.required true && git config diff.ipynb.textconv '$(NBSTRIP) -t' && \
+	  info="$$(git rev-parse --git-path info/attributes)" && \
+	  { [ ! -f "$$info" ] || sed -i '/filter=nbstripout/d; /diff=ipynb/d' "$$info"; } && \
 	  { git update-index -q --refresh >/dev/null || true; }; fi
 
 # The main job: every notebook of the cpu profile (W&B offline unless configured), then paper/.
