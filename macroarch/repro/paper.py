@@ -225,7 +225,9 @@ def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimRe
             verdict=dict(verdict) if state == MEASURED else None, metrics=metrics,
             error=_first_line(run.summary.get("error") or "the run ended without a complete result")
             if state == FAILED else None,
-            figures=figures, evidence=evidence, wandb_run=run.run_id, origin=str(run.directory))
+            figures=figures, evidence=evidence, wandb_run=run.run_id, origin=str(run.directory),
+            stability=dict(s) if state == MEASURED and isinstance(s := run.summary.get("stability"), Mapping)
+            else None)
     return found
 
 

@@ -375,7 +375,7 @@ class Run:
         stability = regrade_leaving_out(self.claim, repeated, fixed=fixed)
         record = {**stability.to_dict(), "repeated": {k: r.to_dict() for k, r in repeated.items()}, "fixed": fixed}
         self._data["stability"] = json.loads(json.dumps(record, default=_json_default))
-        self._send("summary", values={"stability": stability.text()})
+        self._send("summary", values={"stability": self._data["stability"], "leave_one_out": stability.text()})
         self._flush()
         return stability
 
