@@ -257,6 +257,16 @@ def _jsonable(data: Any) -> Any:
 
 # --- execution --------------------------------------------------------------------------------------------
 
+#: how often a notebook's kernel is started when it dies before answering (jupyter_client picks free ports per
+#: kernel, and two kernels launched at once can race for one: seen once in four full test runs on 2 cores)
+KERNEL_START_ATTEMPTS = 2
+
+
+def kernel_never_started(error: BaseException) -> bool:
+    """Whether papermill's ``error`` says the kernel died before it replied to ``kernel_info``: no cell ran."""
+    return isinstance(error, RuntimeError) and "before replying to kernel_info" in str(error)
+
+
 def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path | None = None,
             progress: Progress | None = None) -> JobOutcome:
     """Execute one notebook with papermill; never raises for a failure inside the notebook, nor for a file it
@@ -282,13 +292,21 @@ def execute(job: NotebookJob, profile: str, root: Path | None = None, out: Path 
     os.environ[EVIDENCE_ENV] = os.pathsep.join(str(p) for p in (final, failed))  # the kernel inherits it
     try:
         with _quiet_papermill():
-            papermill.execute_notebook(
-                str(job.path), str(partial), parameters=job.papermill_parameters(profile, root), kernel_name="python3",
-                cwd=str(root), progress_bar=False, log_output=False, execution_timeout=job.timeout,
-                report_mode=False, engine_name=engine(progress),
-                # ipykernel logs to the terminal (unencrypted loopback, the interrupt at shutdown): the line says it
-                extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
-            )
+            for attempt in range(1, KERNEL_START_ATTEMPTS + 1):
+                try:
+                    papermill.execute_notebook(
+                        str(job.path), str(partial), parameters=job.papermill_parameters(profile, root),
+                        kernel_name="python3", cwd=str(root), progress_bar=False, log_output=False,
+                        execution_timeout=job.timeout, report_mode=False, engine_name=engine(progress),
+                        # ipykernel logs to the terminal (unencrypted loopback, the interrupt at shutdown): the
+                        # line says it
+                        extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
+                    )
+                    break
+                except RuntimeError as e:
+                    if attempt == KERNEL_START_ATTEMPTS or not kernel_never_started(e):
+                        raise
+                    time.sleep(1.0)  # a kernel that died before it answered ran no cell: start it again
     except KeyboardInterrupt:
         seconds = time.perf_counter() - t0
         with _no_sigint():

@@ -293,3 +293,31 @@ def _alive(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_kernel_that_dies_before_it_answers_is_started_once_more(project, isolated, monkeypatch):
+    """jupyter_client's free-port race between two kernels started at once: the first start dies before
+    kernel_info, the notebook runs on the second; a kernel that dies twice fails the notebook, naming it."""
+    import papermill
+
+    real, calls = papermill.execute_notebook, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(papermill, "execute_notebook", flaky)
+    (job,) = runner.select(runner.load_profile("ci"), "C4")
+    assert runner.execute(job, "ci").status == "ok" and len(calls) == 2
+    assert read_result(result_path("C4", "ci"))["status"] == "complete"
+
+    def dead(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Kernel died before replying to kernel_info")
+
+    monkeypatch.setattr(papermill, "execute_notebook", dead)
+    calls.clear()
+    outcome = runner.execute(job, "ci")
+    assert outcome.status == "failed" and "kernel_info" in outcome.error and len(calls) == runner.KERNEL_START_ATTEMPTS
