@@ -11,6 +11,8 @@ so the constructors here are the only way a harness should turn repetitions into
   the ratio is taken per block, and the interval is on the log ratios, so it is symmetric in "x times faster"
   and "x times slower");
 - :func:`mean_interval`: a t interval for the mean of repetitions;
+- :func:`geomean_interval`: the geometric mean of positive repetitions (ratios, gains) with a t interval on
+  their logs: a ratio's spread is multiplicative, and an interval on the linear scale can reach below zero;
 - :func:`bootstrap`: any other statistic of per-seed rows (an optimum over a sweep, a variance ratio),
   by ``scipy.stats.bootstrap`` (BCa by default);
 - :func:`exact`: a deterministic count (bytes, a largest batch): a point, method ``"exact count"``, n = 1;
@@ -25,7 +27,7 @@ repetitions, below which its few distinct resamples cannot carry a 90% interval.
 decide a grade (an exact count can: it has no spread to be unsure of).
 
 :func:`n_to_decide` says how many repetitions would put the interval on one side of a boundary, from the
-run's own spread: a planning figure under a normal approximation, not a guarantee.
+run's own spread (Student's t at the new n): a planning figure, not a guarantee.
 
 This module imports nothing from :mod:`macroarch.repro`: experiments build estimates here, the grader reads
 them (as :class:`Estimate` objects or their :meth:`Estimate.to_dict` form).
@@ -185,6 +187,24 @@ def mean_interval(samples: Sequence[float], *, confidence: float = DEFAULT_CONFI
         ci = stats.ttest_1samp(x, 0.0).confidence_interval(confidence_level=confidence)
     return Estimate(mean, min(float(ci.low), mean), max(float(ci.high), mean), confidence=confidence, n=x.size,
                     method=method, unit=unit)
+
+
+def geomean_interval(samples: Sequence[float], *, confidence: float = DEFAULT_CONFIDENCE, unit: str = "x",
+                     method: str = "t interval over repetitions") -> Estimate:
+    """The geometric mean of positive repetitions (per-seed ratios, gains) with a t interval on their logs.
+
+    A ratio varies by factors: 36.8, 99.6 and 38.3 are each a factor of about 1.6 from their geometric mean,
+    while a linear t interval around their mean reaches below zero, a value a ratio cannot take. The interval
+    is :func:`mean_interval` on ``log(samples)``, mapped back with ``exp``; ``method`` says so and the estimate is
+    marked ``log_scale`` (:func:`n_to_decide` then works on logs).
+    """
+    x = _samples("geomean_interval", samples)
+    if np.any(x <= 0):
+        raise ValueError(f"geomean_interval: samples must be positive, got {x.tolist()}")
+    e = mean_interval(np.log(x), confidence=confidence, method=f"geometric mean, {method} on logs")
+    return Estimate(math.exp(e.value), None if e.low is None else math.exp(e.low),
+                    None if e.high is None else math.exp(e.high), confidence=confidence, n=e.n, method=e.method,
+                    unit=unit, log_scale=True)
 
 
 def paired_difference(baseline_per_seed: Sequence[float], technique_per_seed: Sequence[float], *,
@@ -361,12 +381,16 @@ class Repeated:
 def n_to_decide(estimate: Estimate, boundary: float) -> int | None:
     """The n at which the interval would clear ``boundary``, from the run's own spread.
 
-    Normal approximation: the interval's half-width on the boundary's side, ``w``, shrinks as 1/sqrt(n) while
-    the estimate stays where it is, so it clears a boundary at distance ``d`` once
-    ``n' = ceil(n * (w / d)^2)``. On a log scale (``log_scale``) the same is done on logs. Returns ``estimate.n``
-    if the interval already lies on one side (or is exact), and ``None`` when no n can be derived: no interval
+    The interval's half-width on the boundary's side, ``w``, is read as ``t(n - 1) * s / sqrt(n)`` (Student's
+    quantile at the estimate's confidence), which gives the spread ``s`` of one repetition; the answer is the
+    smallest ``n'`` with ``t(n' - 1) * s / sqrt(n') < |d|``, ``d`` the distance from the estimate to the boundary,
+    assuming the estimate stays where it is. On a log scale (``log_scale``) the same is done on logs. For a
+    bootstrap interval this is an approximation: a planning figure, not a guarantee. Returns ``estimate.n`` if
+    the interval already lies on one side (or is exact), and ``None`` when no n can be derived: no interval
     (nothing says how much the number varies), or the estimate sits on the boundary.
     """
+    from scipy import stats
+
     if estimate.is_exact:
         return estimate.n
     if not estimate.has_interval or estimate.kind != MEASURED:
@@ -377,8 +401,18 @@ def n_to_decide(estimate: Estimate, boundary: float) -> int | None:
     v, lo, hi, b = f(estimate.value), f(estimate.low), f(estimate.high), f(boundary)
     if not lo < b < hi:
         return estimate.n
-    d = b - v
+    d = abs(b - v)
     if d == 0:
         return None
-    w = (hi - v) if d > 0 else (v - lo)
-    return max(estimate.n + 1, math.ceil(estimate.n * (w / abs(d)) ** 2))
+    w = (hi - v) if b > v else (v - lo)
+    n = estimate.n
+
+    def quantile(m: int) -> float:
+        return float(stats.t.ppf(0.5 + estimate.confidence / 2, m - 1)) if m > 1 else math.inf
+
+    s = w * math.sqrt(n) / quantile(max(n, 2))
+    z = float(stats.norm.ppf(0.5 + estimate.confidence / 2))
+    m = max(n + 1, math.ceil((z * s / d) ** 2))  # the normal answer is a lower bound: t(m - 1) > z
+    while quantile(m) * s / math.sqrt(m) >= d:
+        m += max(1, m // 64)
+    return m

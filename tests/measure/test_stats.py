@@ -99,22 +99,51 @@ def test_dict_round_trip_and_validation():
     assert float(e) == e.value
 
 
-def test_n_to_decide_by_the_normal_approximation():
+def _smallest_n(s: float, d: float, confidence: float = 0.9) -> int:
+    """Brute force: the first n whose t half-width, t(n-1) s / sqrt(n), is below d."""
+    from scipy import stats
+
+    n = 2
+    while stats.t.ppf(0.5 + confidence / 2, n - 1) * s / math.sqrt(n) >= d:
+        n += 1
+    return n
+
+
+def test_n_to_decide_with_students_t_at_the_new_n():
+    from scipy import stats
+
+    t3 = stats.t.ppf(0.95, 3)
     e = S.Estimate(1.0, 0.0, 2.0, n=4, method="t")
-    # half-width 1 at n=4; to clear 1.5 (distance 0.5) it must halve: n = 4 * (1 / 0.5)^2
-    assert S.n_to_decide(e, 1.5) == 16
-    assert S.n_to_decide(e, 0.75) == 64  # below the value: the lower half-width
+    s = 1.0 * 2 / t3  # half-width 1 at n=4 is t(3) s / 2
+    assert S.n_to_decide(e, 1.5) == _smallest_n(s, 0.5)
+    assert S.n_to_decide(e, 0.75) == _smallest_n(s, 0.25)  # below the value: the lower half-width
     assert S.n_to_decide(e, 3.0) == 4  # already on one side
     assert S.n_to_decide(e, 1.0) is None  # on the boundary: no n decides
     # the figure holds for real data: samples with the same mean and spread, n_to_decide of them, clear it
     x = [0.2, 0.6, 1.4, 1.8]
     est = S.mean_interval(x)
     n = S.n_to_decide(est, 1.6)
-    more = S.mean_interval(np.resize(x, n * 2)[: 2 * n])  # twice as many: the t quantile is not z's
-    assert more.high < 1.6 and est.high > 1.6
+    reps = np.resize(x, 4 * math.ceil(n / 4))  # whole copies keep the mean and nearly the spread
+    assert S.mean_interval(reps).high < 1.6 and est.high > 1.6
+    assert S.mean_interval(x[:2] + x[2:]).high > 1.6
     # on a log scale (ratios) the distances are taken on logs
     r = S.Estimate(1.1, 1.0, 1.21, n=5, method="t on logs", log_scale=True)
-    assert S.n_to_decide(r, 1.05) == math.ceil(5 * (math.log(1.1) / math.log(1.1 / 1.05)) ** 2)
+    s_log = math.log(1.21 / 1.1) * math.sqrt(5) / stats.t.ppf(0.95, 4)
+    assert S.n_to_decide(r, 1.05) == _smallest_n(s_log, math.log(1.1 / 1.05))
+
+
+def test_geomean_interval_is_a_t_interval_on_logs():
+    from scipy import stats
+
+    x = [36.8, 99.6, 38.3]
+    e = S.geomean_interval(x)
+    logs = np.log(x)
+    ci = stats.t.interval(0.9, len(x) - 1, loc=logs.mean(), scale=stats.sem(logs))
+    assert e.value == pytest.approx(math.exp(logs.mean()))
+    assert (e.low, e.high) == (pytest.approx(math.exp(ci[0])), pytest.approx(math.exp(ci[1])))
+    assert e.low > 0 and e.log_scale and e.n == 3 and e.unit == "x" and "on logs" in e.method
+    with pytest.raises(ValueError, match="positive"):
+        S.geomean_interval([1.0, -2.0])
 
 
 def test_repeated_leaves_one_out():
