@@ -130,7 +130,7 @@ RESULT_TYPES: dict[str, tuple[type, ...]] = {
     "config": (dict,), "metrics": (dict,), "series": (dict,), "tables": (dict,), "figures": (list,),
     "estimates": (dict,), "verdict": (dict, type(None)), "error": (dict, type(None)),
     "wandb": (dict, type(None)), "compile": (dict, type(None)), "previous": (dict, type(None)),
-    "stability": (dict, type(None)),
+    "stability": (dict, type(None)), "figure_problems": (dict,),
 }
 _JSON_NAMES = {str: "a string", int: "a whole number", dict: "an object", list: "a list", type(None): "null",
                float: "a number", bool: "a boolean"}
@@ -398,8 +398,21 @@ class Run:
         self._flush()
 
     def figure(self, name: str, fig: Any, *, dpi: int = 150) -> Path:
-        """Save a matplotlib figure as ``<claim dir>/<name>.png`` (atomically) and log it to W&B."""
+        """Save a matplotlib figure as ``<claim dir>/<name>.png`` (atomically) and log it to W&B.
+
+        Its layout is checked as the report will show it (:func:`macroarch.repro.figures.figure_problems`: text
+        size at the report's width, overlaps, unlabelled axes, legends over data); problems are recorded under
+        ``figure_problems`` in the result file and warned about, never raised: a figure is evidence, not a verdict.
+        """
         _check_name("figure", name)
+        from macroarch.repro.figures import figure_problems
+
+        problems = figure_problems(fig)
+        found = self._data.setdefault("figure_problems", {})
+        found.pop(name, None)
+        if problems:
+            found[name] = problems
+            warnings.warn(f"{self.claim} figure {name!r}: " + "; ".join(problems), stacklevel=2)
         path = self.dir / f"{name}.png"
         tmp = self.dir / f".{name}.png.partial"
         try:

@@ -44,6 +44,8 @@ def test_notebook_runs_under_ci_profile(job, isolated):
         assert r["metrics"], f"{claim}: no metrics recorded"
         for name in r["figures"]:
             assert (result_path(claim, "ci").parent / f"{name}.png").stat().st_size > 1000
+        # every figure laid out for the report's page (issue 44): legible at its width, nothing overlapping
+        assert not r.get("figure_problems"), f"{claim}: {r.get('figure_problems')}"
         assert r["wandb"]["mode"] == "offline" and r["wandb"]["error"] is None
 
         # Every parameter of the notebook is in the run's config, in result.json and in W&B alike (issue 11).
