@@ -162,9 +162,9 @@ def test_one_sided_registry_targets_both_ways():
     assert c12_grade(0.66, 0.70) == REPRODUCED  # beats 55%
     assert c12_grade(-0.2, -0.3) == CONTRADICTED
     c9 = get_claim("C9")
-    fast = {"bucket_speedup_vs_ddp": iv(1.10, 1.20), "aligned_throughput_ratio": iv(1.06, 1.10)}
+    fast = {"ddp8_vs_ddp_default": iv(1.10, 1.20), "aligned_throughput_ratio": iv(1.06, 1.10)}
     assert c9.grade(fast, scale="s").grade == REPRODUCED
-    slow = {"bucket_speedup_vs_ddp": iv(0.45, 0.55), "aligned_throughput_ratio": iv(0.90, 0.95)}
+    slow = {"ddp8_vs_ddp_default": iv(0.45, 0.55), "aligned_throughput_ratio": iv(0.90, 0.95)}
     assert c9.grade(slow, scale="s").grade == CONTRADICTED
 
 

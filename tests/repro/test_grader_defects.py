@@ -36,10 +36,37 @@ def test_c3_a_two_percent_slowdown_is_no_effect():
 
 
 def test_c9_a_slowdown_against_no_worse_than_is_contradicted():
-    v = _grade("C9", bucket_speedup_vs_ddp=_m(0.5, 0.48, 0.52, method="ABBA"),
+    v = _grade("C9", ddp8_vs_ddp_default=_m(0.5, 0.48, 0.52, method="ABBA"),
                aligned_throughput_ratio=_m(0.5, 0.48, 0.52, method="ABBA"))
     assert v.grade == "contradicted"
-    assert "bucket_speedup_vs_ddp: contradicted" in v.note
+    assert "ddp8_vs_ddp_default: contradicted" in v.note
+
+
+def test_c9_grades_like_for_like_not_our_bucketer_against_ddp():
+    # the bucketer against DDP mixes the implementation into a claim about bucket sizes: the graded speed is DDP
+    # 8 MiB against DDP 25 MiB, and a bucketer number does not enter the grade
+    from macroarch.repro.claims import get_claim
+
+    assert [t.metric for t in get_claim("C9").targets] == ["ddp8_vs_ddp_default", "aligned_throughput_ratio"]
+    v = _grade("C9", ddp8_vs_ddp_default=_m(1.0, 0.99, 1.01), aligned_throughput_ratio=_m(1.0, 0.99, 1.01),
+               bucket_speedup_vs_ddp=_m(0.5, 0.48, 0.52))
+    assert v.grade == "partially" and "bucket_speedup" not in v.note  # no worse than DDP 25; no grid effect
+
+
+def test_c2_tanh_growth_and_vanishing_graded_apart_and_signed():
+    # the unsigned worst relative error mixed the two sides and read over-explosion (2.2x the law) as the other
+    # way; each side is now the signed fitted rate over log(sigma)
+    linear = {"rate_rel_error": _m(1e-16, 1e-16, 1e-16)}
+    both = _grade("C2", **linear, mlp_vanishing_rate_ratio=_m(1.0, 0.98, 1.02),
+                  mlp_growth_rate_ratio=_m(0.05, 0.02, 0.08))
+    assert both.grade == "partially"
+    assert "mlp_vanishing_rate_ratio: reproduced" in both.note and "mlp_growth_rate_ratio: not reproduced" in both.note
+    fast = _grade("C2", **linear, mlp_vanishing_rate_ratio=_m(1.0, 0.98, 1.02),
+                  mlp_growth_rate_ratio=_m(2.2, 2.1, 2.3))
+    assert "mlp_growth_rate_ratio: partially" in fast.note  # faster than the law: still the claimed direction
+    other_way = _grade("C2", **linear, mlp_vanishing_rate_ratio=_m(1.0, 0.98, 1.02),
+                       mlp_growth_rate_ratio=_m(-0.5, -0.6, -0.4))
+    assert "mlp_growth_rate_ratio: contradicted" in other_way.note
 
 
 def test_c8_scale_rule_slowdown_is_contradicted():
