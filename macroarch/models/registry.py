@@ -10,6 +10,9 @@ Full-size models (build them on ``device="meta"`` or under ``FakeTensorMode``):
   0.1, as in GPT-2 and Megatron's GPT-3 configs (the GPT-3 paper does not state it).
 - ``llama_65b``: LLaMA-65B (Touvron et al. 2023, table 2): 80 layers, d_model 8192, 64 heads,
   SwiGLU 22016, vocabulary 32000, untied, RMSNorm, no biases, context 2048: 65,285,660,672 parameters.
+- ``llama_7b``: LLaMA-7B (Touvron et al. 2023, table 2): 32 layers, d_model 4096, 32 heads, SwiGLU 11008,
+  vocabulary 32000, untied, RMSNorm, no biases, context 2048: 6,738,415,616 parameters (the size users most often
+  plan for: ``macroarch plan llama_7b``).
 - ``llama_10b``: the ~10B Llama-style model claim C1 talks about; the post gives no config, so this
   is LLaMA-7B's width and MLP (4096, 32 heads, 11008) at 48 layers instead of 32:
   9,976,549,376 parameters.
@@ -44,6 +47,14 @@ MODELS: dict[str, ModelSpec] = {
                 vocab_size=_LLAMA_VOCAB, max_seq_len=2048, tied_embeddings=False, norm_eps=1e-6,
             ),
             "LLaMA-65B",
+        ),
+        ModelSpec(
+            "llama_7b",
+            TransformerShape(
+                family="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008,
+                vocab_size=_LLAMA_VOCAB, max_seq_len=2048, tied_embeddings=False, norm_eps=1e-6,
+            ),
+            "LLaMA-7B",
         ),
         ModelSpec(
             "llama_10b",

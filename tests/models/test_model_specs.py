@@ -6,7 +6,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from macroarch.models import MODELS, ModelSpec, TransformerShape, get_model_spec
 
-FULL_SIZE = ("gpt3_175b", "llama_65b", "llama_10b")
+FULL_SIZE = ("gpt3_175b", "llama_65b", "llama_7b", "llama_10b")
 TINY = ("gpt3_tiny", "llama_65b_tiny", "llama_10b_tiny")
 
 
@@ -31,6 +31,8 @@ def test_full_size_config_matches_the_paper(name):
                           max_seq_len=2048, tied_embeddings=True),
         "llama_65b": dict(family="llama", n_layers=80, d_model=8192, n_heads=64, d_ff=22016, vocab_size=32000,
                           max_seq_len=2048, tied_embeddings=False),
+        "llama_7b": dict(family="llama", n_layers=32, d_model=4096, n_heads=32, d_ff=11008, vocab_size=32000,
+                         max_seq_len=2048, tied_embeddings=False),
         "llama_10b": dict(family="llama", n_layers=48, d_model=4096, n_heads=32, d_ff=11008, vocab_size=32000,
                           max_seq_len=2048, tied_embeddings=False),
     }[name]
