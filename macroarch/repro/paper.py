@@ -23,11 +23,11 @@ The report itself (``reproduction.md`` and ``reproduction.pdf``: summary, method
 per claim, provenance, appendix) is built by :mod:`macroarch.repro.report` from the merged records.
 
 A paper belongs to one profile. It keeps its own copy of what it shows: ``data/<claim>.json`` (the row's
-record), ``figures/`` and ``evidence/`` (the executed notebooks, so every evidence link resolves, in a clone
-too). Building it *merges*: a claim whose run is newer than the paper's record replaces that record, every
-other row stays as it was, so ``reproduce --only C4`` updates C4's row and nothing else. Only the ``cpu``
-profile writes ``paper/``; other profiles write ``papermill_runs/out/<profile>/paper/``, so a ``ci`` run
-never touches the committed paper.
+record), ``data/timings.json`` (the runner's timing record of the executions its records come from), ``figures/``
+and ``evidence/`` (the executed notebooks, so every evidence link resolves, in a clone too). Building it
+*merges*: a claim whose run is newer than the paper's record replaces that record, every other row stays as it
+was, so ``reproduce --only C4`` updates C4's row and nothing else. Only the ``cpu`` profile writes ``paper/``;
+other profiles write ``papermill_runs/out/<profile>/paper/``, so a ``ci`` run never touches the committed paper.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ class ClaimRecord:
     wandb_run: str | None = None
     origin: str = ""  # where the record was read from (not rendered)
     stability: dict[str, Any] | None = None  # the run's leave-one-out check (Run.leave_one_out), raw data included
+    machine: dict[str, Any] | None = None  # the run's config["machine"] (CPU model, vector ISA, torch)
+    figure_captions: dict[str, str] = field(default_factory=dict)  # name -> what the figure shows, as the run said
 
 
 def paper_folder(profile: str) -> Path:
@@ -148,7 +150,21 @@ def record_from_result(r: Mapping[str, Any], path: Path, out: Path | None = None
         figures={n: p for n, p in figures.items() if p.is_file()} if state == MEASURED else {},
         evidence=_evidence_file(state, notebook, profile, r.get("started"), out),
         wandb_run=(r.get("wandb") or {}).get("id"), origin=str(path),
-        stability=r.get("stability") if state == MEASURED else None)
+        stability=r.get("stability") if state == MEASURED else None, machine=_machine(r.get("config")),
+        figure_captions=_captions(r) if state == MEASURED else {})
+
+
+def _machine(config: Any) -> dict[str, Any] | None:
+    m = config.get("machine") if isinstance(config, Mapping) else None
+    return dict(m) if isinstance(m, Mapping) else None
+
+
+def _captions(result: Mapping[str, Any]) -> dict[str, str]:
+    """A result's ``figure_captions`` (name -> text), its figures' only; {} where it records none."""
+    found = result.get("figure_captions")
+    if not isinstance(found, Mapping):
+        return {}
+    return {n: c for n, c in found.items() if isinstance(c, str) and c.strip() and n in result.get("figures", [])}
 
 
 def from_results(profile: str, out: Path | None = None, *, unreadable: bool = False) -> dict[str, ClaimRecord]:
@@ -218,6 +234,10 @@ def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimRe
             metrics = {name: v for k, v in run.summary.items() if (name := plain_name(claim, k)) is not None}
         figures = {n.removesuffix(".png"): p for n, p in files.items() if n.endswith(".png")} \
             if state == MEASURED else {}
+        captions = {}
+        if state == MEASURED and "result.json" in files:  # the evidence artifact holds the result file
+            with contextlib.suppress(OSError, ResultFileError):
+                captions = _captions(read_result(files["result.json"]))
         found[claim] = ClaimRecord(
             claim=claim, profile=profile, state=state, notebook=notebook,
             started=run.summary.get("started"), finished=run.summary.get("finished"),
@@ -227,7 +247,7 @@ def from_wandb(profile: str, wandb_dir: Path | None = None) -> dict[str, ClaimRe
             if state == FAILED else None,
             figures=figures, evidence=evidence, wandb_run=run.run_id, origin=str(run.directory),
             stability=dict(s) if state == MEASURED and isinstance(s := run.summary.get("stability"), Mapping)
-            else None)
+            else None, machine=_machine(run.config), figure_captions=captions)
     return found
 
 
@@ -310,7 +330,7 @@ def _store(records: Mapping[str, ClaimRecord], paper: Path) -> dict[str, ClaimRe
     for folder, pattern in ((figures, "*.png"), (evidence, "*.ipynb"), (data, "*.json")):
         for p in folder.glob(pattern):
             if folder is data:
-                if p.stem not in kept:
+                if p.stem not in kept and p.name != report.timings.FILE:
                     p.unlink()
             elif p.resolve() not in used:
                 p.unlink()
@@ -361,34 +381,56 @@ def _verdict_text(r: ClaimRecord | None) -> str:
     return f"running since {r.started}"
 
 
-def claims_table(records: Mapping[str, ClaimRecord], paper: Path) -> str:
-    """The verdict table, one row per claim of the registry, in registry order."""
+def claims_table(records: Mapping[str, ClaimRecord], paper: Path, timings: Mapping[str, Any] | None = None) -> str:
+    """The verdict table, one row per claim of the registry, in registry order. With the paper's timing record
+    (``timings``), each measured row's scale says what ran beside its notebook (``ran alone (exclusive)``)."""
     head = ("Claim", "Statement", "Target", "Measured", "Scale", "Run", "Verdict", "Evidence")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cid, claim in CLAIMS.items():
         r = records.get(cid)
         v = (r.verdict or {}) if r else {}
+        scale = v.get("scale", "-")
+        if r is not None and r.state == MEASURED and timings is not None:
+            scale += f"; its notebook ran {report.timings.beside_text(report.timings.entry(timings, r.notebook))}"
         row = (cid, claim.statement, v.get("target") or claim.target_text, v.get("measured", "-"),
-               v.get("scale", "-"), _run_text(r) if r else "-", _verdict_text(r), _evidence(r, paper) if r else "-")
+               scale, _run_text(r) if r else "-", _verdict_text(r), _evidence(r, paper) if r else "-")
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return "\n".join(lines) + "\n"
 
 
 def build(profile: str = PAPER_PROFILE, *, source: str = "results", paper_dir: Path | None = None,
-          records: Mapping[str, ClaimRecord] | None = None, pdf: bool = True) -> Path:
+          records: Mapping[str, ClaimRecord] | None = None, pdf: bool = True, timings: Path | None = None) -> Path:
     """Merge the latest runs of ``profile`` (from ``source``) into its paper and render it; returns the folder.
 
     Writes ``claims.md``, ``reproduction.md`` and (``pdf``) ``reproduction.pdf`` (see
-    :mod:`macroarch.repro.report`). Everything is read before anything is written: a source that fails (no
-    W&B runs, a malformed result file) leaves the paper as it was."""
+    :mod:`macroarch.repro.report`), and ``data/timings.json``: the runner's timing record (``timings``, default
+    :func:`run_timings_path`) merged into the paper's copy (:func:`macroarch.repro.report.timings.merge`), so a
+    clone without ``papermill_runs/out`` still states the machine, the wall times and what ran beside what.
+    Everything is read before anything is written: a source that fails (no W&B runs, a malformed result file)
+    leaves the paper as it was."""
     records = collect(profile, source) if records is None else records
     paper = paper_dir or paper_folder(profile)
     stored = load_records(paper) if (paper / "data").is_dir() else {}
+    kept = report.timings.read(paper / "data" / report.timings.FILE)
+    ran = report.timings.read(timings or run_timings_path(profile, paper))
     merged = _store(merge(stored, records), paper)
+    times = report.timings.merge(kept, ran, merged)
+    if times is not None:
+        write_json_atomic(paper / "data" / report.timings.FILE, times)
+    else:
+        (paper / "data" / report.timings.FILE).unlink(missing_ok=True)
     write_text(paper / "claims.md", f"# Claims and verdicts (profile `{profile}`)\n\n" +
-                claims_table(merged, paper))
+               claims_table(merged, paper, times))
     report.write(report.context(merged, profile, paper, source), pdf=pdf)
     return paper
+
+
+def run_timings_path(profile: str, paper: Path) -> Path:
+    """The runner's ``timings.json`` for a paper: beside it where the paper lies in a results tree
+    (``<out>/<profile>/paper``, a seed offset's or a non-cpu profile's), else ``out/<profile>/timings.json``."""
+    if paper.name == "paper" and paper.parent.name == profile and (paper.parent / report.timings.FILE).is_file():
+        return paper.parent / report.timings.FILE
+    return out_root() / profile / report.timings.FILE
 
 
 def write_text(path: Path, text: str) -> None:

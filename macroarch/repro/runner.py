@@ -59,6 +59,7 @@ import fcntl
 import json
 import logging
 import os
+import platform
 import queue
 import signal
 import subprocess
@@ -723,13 +724,13 @@ def _outcome_of(w: _Worker, msg: dict) -> JobOutcome:
 # --- timings.json: where the run's time went ----------------------------------------------------------------
 
 def machine() -> dict[str, Any]:
-    """The machine of a run, for ``timings.json``: CPU model, cores, vector ISA, torch."""
+    """The machine of a run, for ``timings.json``: CPU model, cores, vector ISA, Python, torch."""
     import torch
 
     from macroarch.measure.machine import cpu_capability, cpu_model
 
     return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "usable_cores": list(usable_cores()),
-            "cpu_capability": cpu_capability(), "torch": torch.__version__}
+            "cpu_capability": cpu_capability(), "python": platform.python_version(), "torch": torch.__version__}
 
 
 def _compile_record(o: JobOutcome, profile: str, out: Path) -> dict[str, float] | None:

@@ -130,7 +130,7 @@ RESULT_TYPES: dict[str, tuple[type, ...]] = {
     "config": (dict,), "metrics": (dict,), "series": (dict,), "tables": (dict,), "figures": (list,),
     "estimates": (dict,), "verdict": (dict, type(None)), "error": (dict, type(None)),
     "wandb": (dict, type(None)), "compile": (dict, type(None)), "previous": (dict, type(None)),
-    "stability": (dict, type(None)), "figure_problems": (dict,),
+    "stability": (dict, type(None)), "figure_problems": (dict,), "figure_captions": (dict,),
 }
 _JSON_NAMES = {str: "a string", int: "a whole number", dict: "an object", list: "a list", type(None): "null",
                float: "a number", bool: "a boolean"}
@@ -413,6 +413,13 @@ class Run:
         if problems:
             found[name] = problems
             warnings.warn(f"{self.claim} figure {name!r}: " + "; ".join(problems), stacklevel=2)
+        from macroarch.repro.report.captions import describe_figure
+
+        caption = describe_figure(fig)  # the report's caption: what the figure's titles, axes and legend say
+        captions = self._data.setdefault("figure_captions", {})
+        captions.pop(name, None)
+        if caption:
+            captions[name] = caption
         path = self.dir / f"{name}.png"
         tmp = self.dir / f".{name}.png.partial"
         try:

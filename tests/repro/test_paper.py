@@ -21,6 +21,7 @@ def _record(profile, post_bytes, claim="C4"):
         run.log(step=0, loss=2.0)
         fig, ax = plt.subplots()
         ax.plot([0, 1], [post_bytes, 2 * post_bytes])
+        ax.set(title="accounting", xlabel="variant", ylabel="bytes (B)")
         run.figure("bytes", fig)
         plt.close(fig)
         if claim == "C4":
@@ -52,7 +53,24 @@ def _links_resolve(paper_dir):
                 assert (paper_dir / link).is_file(), f"{md} links {link}, which does not exist"
 
 
-def test_results_and_wandb_give_the_same_paper(isolated):
+def _figures_with_captions(monkeypatch):
+    """Run.figure as it is to record each figure's caption (figure_captions), read off the figure."""
+    from macroarch.repro import tracking
+    from macroarch.repro.report.captions import describe_figure
+
+    save = tracking.Run.figure
+
+    def figure(self, name, fig, **kw):
+        path = save(self, name, fig, **kw)
+        self._data.setdefault("figure_captions", {})[name] = describe_figure(fig)
+        self._flush()
+        return path
+
+    monkeypatch.setattr(tracking.Run, "figure", figure)
+
+
+def test_results_and_wandb_give_the_same_paper(isolated, monkeypatch):
+    _figures_with_captions(monkeypatch)
     _record("ci", 1.3e12)  # an older run, superseded below
     _record("ci", 1.397e12)
     _record("cpu", 1.0e12)  # another profile must not leak in
@@ -72,6 +90,7 @@ def test_results_and_wandb_give_the_same_paper(isolated):
     rep_b = (b / "reproduction.md").read_text().replace("last built from: wandb", "")
     assert rep_a == rep_b
     assert "![C4 bytes](figures/C4_bytes.png)" in rep_a and "| `odd` | 0.333333 | - |" in rep_a  # the appendix
+    assert "*C4, bytes: accounting: bytes (B) against variant.*" in rep_a  # the caption, from either source
     assert (a / "reproduction.pdf").stat().st_size > 0 and not (b / "reproduction.pdf").exists()
     assert (a / "figures" / "C4_bytes.png").read_bytes() == (b / "figures" / "C4_bytes.png").read_bytes()
     assert sorted(p.name for p in (a / "data").iterdir()) == ["C4.json", "C5.json"]

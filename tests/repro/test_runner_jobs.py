@@ -4,6 +4,8 @@ pass when they really run side by side), its lock, timings.json, Ctrl-C and seed
 
 import json
 import os
+import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -225,6 +227,9 @@ def test_two_notebooks_at_once_pinned_apart_and_the_exclusive_one_alone(meeting,
     assert t["compile"] == {"compile_seconds": 1.5, "compiles": 3, "notebooks_recorded": 1,
                             "notebooks_without_record": 2}
     assert "with --jobs 2 on" in out and "compiling 2s for 3 kernel(s) in 1 notebook(s)" in out
+    assert t["machine"]["python"] == platform.python_version()
+    first = isolated / "first"  # this run's results, for its paper below (the resume may run some again)
+    shutil.copytree(isolated / "out" / "ci", first / "ci")
 
     # resumed: the skipped notebooks keep what they took in timings.json (one whose stamp is older than a
     # package file saved meanwhile, in a tree others edit, runs again)
@@ -234,6 +239,18 @@ def test_two_notebooks_at_once_pinned_apart_and_the_exclusive_one_alone(meeting,
     assert skipped and {e["status"] for e in again.values()} <= {"skipped", "ok"}
     for stem in skipped:
         assert again[stem]["earlier"]["seconds"] == nb[stem]["seconds"], stem
+
+    # the paper keeps the record (data/timings.json) and says, per claim, what ran beside its notebook
+    from macroarch.repro import paper
+
+    built = paper.build("ci", records=paper.from_results("ci", first), paper_dir=isolated / "paper", pdf=False,
+                        timings=first / "ci" / "timings.json")
+    assert json.loads((built / "data" / "timings.json").read_text())["notebooks"] == nb
+    rows = {line.split("|")[1].strip(): line for line in (built / "claims.md").read_text().splitlines()
+            if line.startswith("| C")}
+    assert "its notebook ran beside 04_dgr_variance" in rows["C4"]
+    assert "its notebook ran beside 02_memory_wall" in rows["C6"]
+    assert "its notebook ran alone (exclusive)" in rows["C9"]
 
 
 @pytest.mark.slow

@@ -7,50 +7,41 @@ rerun instructions, references and the metric appendix) and renders it to Markdo
 (:mod:`~macroarch.repro.report.markdown`) and, through the Typst compiler, to PDF
 (:mod:`~macroarch.repro.report.typst`). Both renderings come from the same objects, so they hold the same text.
 Nothing here measures: the numbers come from the records, the registry, the profile, git and the runner's
-``timings.json``.
+``timings.json`` as the paper keeps it (``data/timings.json``, :mod:`~macroarch.repro.report.timings`). A
+figure's caption is what its run recorded, read off the figure by :mod:`~macroarch.repro.report.captions`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from macroarch.repro.report import provenance
+from macroarch.repro.report import provenance, timings
 from macroarch.repro.report.document import Document
 from macroarch.repro.report.markdown import to_markdown
 from macroarch.repro.report.sections import SECTIONS, Context, document
 from macroarch.repro.report.typst import to_typst, write_pdf
 
 
-def read_timings(path: Path) -> dict | None:
-    """The runner's ``timings.json``, or None where it is absent or unreadable (the report says so)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("notebooks"), dict) else None
-
-
 def context(records: Mapping[str, Any], profile: str, paper: Path, source: str, *, repo: Path | None = None,
-            history: Path | None = None, timings: Path | None = None) -> Context:
+            history: Path | None = None) -> Context:
     """What the sections read. ``repo`` defaults to the repository the paper lies in (else the project's);
-    ``history`` is the committed paper folder whose records' git history is shown (default ``paper``);
-    ``timings`` the timing record (default ``papermill_runs/out/<profile>/timings.json``)."""
+    ``history`` is the committed paper folder whose records' git history is shown (default ``paper``). The
+    timing record is the paper's own copy, ``data/timings.json`` (written by ``paper.build``)."""
     from macroarch.config import ConfigError
-    from macroarch.paths import out_root, project_root
+    from macroarch.paths import project_root
     from macroarch.repro.profiles import load_profile
 
     repo = repo or provenance.repo_root(paper) or provenance.repo_root(project_root())
-    timings = timings or out_root() / profile / "timings.json"
+    path = paper / "data" / timings.FILE
     try:
         jobs = load_profile(profile)
     except (ConfigError, OSError):  # a profile that does not load is said in its section, not raised here
         jobs = []
-    return Context(records, profile, paper, source, repo=repo, history=history, timings=read_timings(timings),
-                   timings_path=timings, jobs=jobs)
+    return Context(records, profile, paper, source, repo=repo, history=history, timings=timings.read(path),
+                   jobs=jobs)
 
 
 def newest(records: Mapping[str, Any]) -> _dt.datetime | None:
@@ -76,5 +67,5 @@ def write(ctx: Context, *, pdf: bool = True) -> Document:
     return doc
 
 
-__all__ = ["SECTIONS", "Context", "Document", "context", "document", "read_timings", "to_markdown", "to_typst",
+__all__ = ["SECTIONS", "Context", "Document", "context", "document", "timings", "to_markdown", "to_typst",
            "write", "write_pdf"]

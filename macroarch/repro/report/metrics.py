@@ -14,9 +14,16 @@ from typing import Any
 
 from macroarch.measure.stats import is_estimate_dict
 
-# (regex on the name, unit); the first that matches wins
+# (regex on the name, unit); the first that matches wins, so the specific rules come before the general ones
 _UNITS: tuple[tuple[str, str], ...] = (
+    (r"_rate(_stderr)?(_sigma\w+)?$", "log-growth per layer"),  # a fitted rate and its standard error
+    # a standard error has the unit of what it is the error of, which such a name does not state
+    (r"(^|_)(standard_error|std_error|stderr)$", ""),
+    # a largest difference between gradients: the gradients' own unit, not a ratio (``_vs_``) or a fraction
+    (r"(^|_)grad_error(_|$)", "gradient units"),
     (r"_bytes(_gpu|_cpu)?$|_bytes_", "bytes"),
+    # a reduction is a fraction saved, also when it is one stack's over another's (``a_over_b_reduction_256``)
+    (r"_reduction(_\d+)?$|(^|_)overhead(_|$)", "fraction"),
     (r"(^|_)seconds$|_s$|_time$", "s"),
     (r"_ms$", "ms"),
     (r"_us$|latency_us", "us"),
@@ -32,13 +39,12 @@ _UNITS: tuple[tuple[str, str], ...] = (
     (r"_s_at_", "s"),
     (r"diverged", "runs"),
     (r"_peak_gain$|_throughput_gain$|_vs_|speedup", "x"),
-    (r"_gap(_r5)?$|_gap_(lo|hi)$|_r1$|_r5$|recall1$", "fraction"),
+    (r"_gap(_r5)?$|_gap_(lo|hi)$|_gap_per_seed_(max|min)$|_r1$|_r5$|recall1$", "fraction"),
     (r"_gbps$|_gbs$", "GB/s"),
     (r"_tflops$", "TFLOP/s"),
     (r"_mb$", "MiB"),
     (r"_crop$", "residues"),
-    (r"_rate(_stderr)?(_sigma\w+)?$", "log-growth per layer"),
-    (r"collectives|_moves$|failures|seeds$", "count"),
+    (r"collectives|_moves$|failures|seeds$|_blocks$|_points$|_extensions$|_layers$", "count"),
     (r"_equals_|_ok$|_identical$|_exact$|at_grid_edge", "1 = yes"),
     (r"_cosine$", "cosine"),
     (r"warmup_extension_gain$", "nats"),

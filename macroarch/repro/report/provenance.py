@@ -7,7 +7,8 @@
 - :func:`changed_since`: the files of those paths that differ between the measured commit and ``HEAD``
   (``git diff --name-only <commit>..HEAD``); a commit the clone does not have is reported as such.
 - :func:`grade_history`: every committed version of a paper record (``git log -- <paper>/data/<claim>.json``),
-  oldest first, with the grade and the commit it was measured at.
+  oldest first, with the grade, the commit it was measured at and when its run started; :func:`earlier` leaves
+  out the versions that hold the record the paper shows now (in a clean checkout the newest commit holds it).
 
 Git is read, never written; a folder outside any repository (a paper built into a temporary folder) has no
 history, which is said, not guessed.
@@ -122,6 +123,7 @@ class PastGrade:
     date: str
     grade: str
     measured_at: str  # the commit the numbers were measured at
+    started: str = ""  # when the run started (with measured_at, which run this version holds)
 
 
 def grade_history(repo: Path | None, record: Path) -> list[PastGrade] | None:
@@ -146,5 +148,13 @@ def grade_history(repo: Path | None, record: Path) -> list[PastGrade] | None:
         except ValueError:
             continue
         v = d.get("verdict") or {}
-        found.append(PastGrade(sha, date, v.get("grade") or d.get("state", "?"), plain_commit(d.get("git_commit"))))
+        found.append(PastGrade(sha, date, v.get("grade") or d.get("state", "?"), plain_commit(d.get("git_commit")),
+                               str(d.get("started") or "")))
     return found
+
+
+def earlier(history: list[PastGrade], started: str | None, git_commit: str | None) -> list[PastGrade]:
+    """The versions of ``history`` that hold another run than the one that started at ``started`` at commit
+    ``git_commit`` (the record shown now)."""
+    now = (plain_commit(git_commit), started or "")
+    return [h for h in history if (h.measured_at, h.started) != now]
