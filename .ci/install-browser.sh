@@ -24,8 +24,17 @@ else
   SUDO=
 fi
 export DEBIAN_FRONTEND=noninteractive
-if ! { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver; }; then
-  echo "install-browser: apt-get could not install chromium and chromium-driver (above); the browser test will skip"
+# apt's and dpkg's progress ("Setting up ...", triggers, alternatives: hundreds of lines) goes to a log that is shown
+# only when the install fails; apt's error and warning lines are shown either way.
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+echo "install-browser: installing chromium and chromium-driver with apt-get (a minute or two)"
+if ! { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends chromium chromium-driver; } \
+    >"$log" 2>&1; then
+  echo "install-browser: apt-get could not install chromium and chromium-driver; the last lines of its output:"
+  tail -n 40 "$log"
+  echo "install-browser: the browser test will skip"
   exit 0
 fi
+grep -E '^(E|W|Err): ' "$log" || true
 echo "install-browser: $(/usr/bin/chromium --version 2>/dev/null || echo chromium installed)"

@@ -8,9 +8,11 @@ What needs nothing from here:
   optimizer that cannot write packed weights, raises a ``TypeError`` naming ``MVASAdamW`` at its first step.
   ``model.save_pretrained`` / ``Trainer.save_model`` write dense weights in the training dtype (the values the
   model computes with), so ``from_pretrained`` on a plain model gives the same logits; ``save_pretrained(model,
-  dir, packed=True)`` here writes the packed form, which only ``from_pretrained`` here reads (a ``README.md``
-  beside it says so). ``safetensors.torch.save_file(model.state_dict())`` refuses managed weights ("non
-  contiguous tensor"): save ``mvas.dense_state_dict(model)``, or the exact packed file with ``mvas.save_packed``.
+  dir, packed=True)`` here writes the packed form, which only ``from_pretrained`` here reads: transformers'
+  ``from_pretrained`` on that directory fails with an error naming ``macroarch.integrations.from_pretrained``
+  (``save_pretrained`` below), and a ``README.md`` beside it says so. ``safetensors.torch.save_file(
+  model.state_dict())`` refuses managed weights ("non contiguous tensor", safetensors' message: the call never
+  reaches macroarch): save ``mvas.dense_state_dict(model)``, or the exact packed file with ``mvas.save_packed``.
 - **accelerate**: ``accelerator.prepare(model, optimizer, ...)`` and ``accelerator.accumulate(model)`` work with
   MVAS models and ``MVASAdamW``, and with ``DGRWrapper`` built with ``accumulation_steps`` equal to the
   accelerator's ``gradient_accumulation_steps``. ``save_state`` / ``load_state`` need
@@ -47,6 +49,8 @@ What ``MacroTrainer`` (a ``Trainer`` subclass) adds, because Trainer's loop assu
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import warnings
 from dataclasses import replace
@@ -289,12 +293,22 @@ def register_mvas_checkpointing(accelerator: Any) -> list[Any]:
     return [accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)]
 
 
+PACKED_STUB_SHARD = ("MVAS-packed weights - load with macroarch.integrations.from_pretrained - see README.md - "
+                     "model.safetensors")
+"""The one shard that the ``model.safetensors.index.json`` of a packed directory lists for every weight: it does not
+exist, so transformers' ``from_pretrained`` (and any loader that follows the index) stops at once with an error that
+quotes this name, before any weight is read or initialised."""
+
+_DENSE_FILES = ("model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json")
+
 _PACKED_README = """# MVAS-packed weights: not loadable by `from_pretrained` of transformers
 
 `{weights}` holds this model's weights as MVAS stores them (fp8/fp4 payloads with block scales), written by
-`macroarch.integrations.save_pretrained(model, dir, packed=True)`. transformers' `from_pretrained` looks for
-`model.safetensors` or `pytorch_model.bin` and finds neither here ("no file named model.safetensors"). Load it
-with macroarch, bit for bit:
+`macroarch.integrations.save_pretrained(model, dir, packed=True)`. transformers' `from_pretrained` cannot read it:
+`model.safetensors.index.json` here sends it to a shard that does not exist, whose name says what to do instead, so
+it stops with that name in its error rather than build a model from other weights. Load it with macroarch, bit for
+bit:
 
     from macroarch.integrations import from_pretrained
     model, store = from_pretrained({model_cls}, "this/directory")
@@ -304,27 +318,57 @@ the values the model computes with, in its training dtype.
 """
 
 
+def _remove(directory: str, patterns: tuple[str, ...]) -> None:
+    for pattern in patterns:
+        for path in glob.glob(os.path.join(glob.escape(directory), pattern)):
+            os.remove(path)
+
+
+def _remove_packed(directory: str) -> None:
+    """A packed save's files in ``directory``, after a dense save into it: the packed weights, and the README and the
+    stub index if they are still this module's (a sharded dense save has written its own index over the stub)."""
+    _remove(directory, (mvas.PACKED_WEIGHTS_NAME,))
+    readme, index = os.path.join(directory, "README.md"), os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(readme):
+        with open(readme) as f:
+            if f.read().startswith(_PACKED_README.split("\n", 1)[0]):
+                os.remove(readme)
+    if os.path.isfile(index):
+        with open(index) as f:
+            if "macroarch" in json.load(f).get("metadata", {}):
+                os.remove(index)
+
+
 def save_pretrained(model: Any, directory: str | os.PathLike, *, packed: bool = False, **kwargs: Any) -> None:
     """Save an HF model under MVAS: dense weights in the training dtype (``model.save_pretrained``, loadable by
     any ``from_pretrained``), or with ``packed=True`` its config plus the packed weights (``mvas.save_packed``) under
-    ``mvas.PACKED_WEIGHTS_NAME`` and a ``README.md`` saying how to load them: a dense ``from_pretrained`` refuses
-    the directory ("no file named model.safetensors"), and ``from_pretrained`` below restores it exactly.
+    ``mvas.PACKED_WEIGHTS_NAME``, a ``README.md`` saying how to load them, and a ``model.safetensors.index.json``
+    whose one shard, ``PACKED_STUB_SHARD``, does not exist: transformers' ``from_pretrained`` on the directory fails
+    at once ("No such file or directory: .../MVAS-packed weights - load with
+    macroarch.integrations.from_pretrained ..."), and ``from_pretrained`` below restores it exactly. Each form
+    removes the other's weight files from ``directory`` (as transformers removes a previous save's shards), so a
+    loader never finds the weights of an earlier save.
 
     For a plain ``state_dict`` file: ``safetensors.torch.save_file(model.state_dict(), ...)`` refuses managed weights
     ("non contiguous tensor": an ``MVASWeight`` has no dense storage to write); ``mvas.dense_state_dict(model)``
     is the dense dict to save instead, ``mvas.save_packed(model, path)`` the exact packed file."""
+    directory = os.fspath(directory)
     if not packed:
         model.save_pretrained(directory, **kwargs)
+        _remove_packed(directory)
         return
-    directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
+    _remove(directory, _DENSE_FILES)
     model.config.save_pretrained(directory)
     mvas.save_packed(model, os.path.join(directory, mvas.PACKED_WEIGHTS_NAME))
     readme = _PACKED_README.format(weights=mvas.PACKED_WEIGHTS_NAME, model_cls=type(model).__name__)
     with open(os.path.join(directory, "README.md"), "w") as f:
         f.write(readme)
-
-
+    index = {"metadata": {"macroarch": f"MVAS-packed weights in {mvas.PACKED_WEIGHTS_NAME}: load this directory "
+                                       "with macroarch.integrations.from_pretrained (README.md)"},
+             "weight_map": dict.fromkeys(model.state_dict(), PACKED_STUB_SHARD)}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
 def from_pretrained(model_cls: Any, directory: str | os.PathLike) -> tuple[Any, mvas.MVASStore]:
     """A model saved by ``save_pretrained(..., packed=True)``: built from its config (``model_cls``, e.g.
     ``LlamaForCausalLM``) in the saved dtype, put under the checkpoint's plan, weights restored bit for bit.

@@ -136,7 +136,7 @@ def test_safetensors_refuses_mvas_state_dict_and_dense_state_dict_is_the_file_to
 def test_a_packed_directory_says_how_to_load_it_and_a_dense_one_says_it_is_dense(tmp_path):
     model = tiny_llama(managed=True)
     save_pretrained(model, tmp_path / "packed", packed=True)
-    with pytest.raises(OSError, match="no file named model.safetensors"):  # transformers' message, not ours
+    with pytest.raises(OSError, match="load with macroarch.integrations.from_pretrained"):  # the fix, named
         AutoModelForCausalLM.from_pretrained(tmp_path / "packed")
     readme = (tmp_path / "packed" / "README.md").read_text()
     assert mvas.PACKED_WEIGHTS_NAME in readme and "from_pretrained(LlamaForCausalLM, " in readme

@@ -1,18 +1,24 @@
 """The interactive path as a user walks it: JupyterLab in headless Chromium runs a notebook at the ci profile.
 
-JupyterLab is started on 127.0.0.1 (a free port, a token) in a temporary copy of ``02_memory_wall`` whose
-``parameters`` cell says ``profile = "ci"``, with a kernelspec of its own: the name and display name the notebook
-asks for, running this interpreter, in a temporary ``JUPYTER_DATA_DIR`` (with Jupyter's config, runtime and
-IPython directories), so no user's setup is read or written. Chromium opens the notebook, runs all cells from the
-command palette and saves; the test then checks the kernel name shown, that the kernel's imports left no
-deprecation noise on screen, a rendered figure, no error output, the saved copy's outputs, the result file, the
-W&B offline run, the executed notebook the kernel recorded as evidence (as papermill's would be), and that the
-committed notebook is byte for byte as it was. Screenshots (opened, the running
-cell, the progress widget, a figure, done) and the page's stderr text go to the test's tmp folder.
+JupyterLab is started on 127.0.0.1 (a free port, a token) as ``make lab`` starts it (``--notebook-dir=notebooks``),
+in a temporary tree whose ``notebooks/`` holds a byte-for-byte copy of the committed ``02_memory_wall``, with the
+kernelspec the Makefile installs (its ``--name`` and ``--display-name``, running this interpreter) in a temporary
+``JUPYTER_DATA_DIR`` (with Jupyter's config, runtime and IPython directories), so no user's setup is read or
+written. Chromium opens the notebook; the test checks that the tab is not marked modified once the kernel has
+connected (JupyterLab rewrites ``metadata.language_info`` and ``kernelspec`` from the kernel: a notebook that does
+not already hold them is dirty on opening), types ``ci`` over the parameters cell's ``"cpu"``, runs all cells from
+the command palette and saves. It then checks the kernel name shown, that the kernel's imports left no deprecation
+noise on screen, a rendered figure, the progress widget's text, no error output, the saved file's outputs, the
+result file, the W&B offline run, the executed notebook the kernel recorded as evidence (as papermill's would be),
+and what git would commit: the saved file through the Makefile's clean filter (``nbstripout --keep-id``) is the
+committed notebook with that one edit and nothing else (no outputs, no metadata JupyterLab added). Screenshots
+(opened, the running cell, the progress widget, a figure, done), the progress text and the page's stderr text go
+to the test's tmp folder.
 
 Skipped, with its reason, where no browser is installed: Debian's ``chromium`` and ``chromium-driver`` (``bash
 .ci/install-browser.sh``), driven by Selenium through ``/usr/bin/chromedriver`` (no browser is downloaded).
 Every wait is bounded; JupyterLab (its process group: the kernel too) and Chromium are stopped in ``finally``.
+The checks of every committed notebook's metadata (kernelspec, language_info) need no browser.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,23 +43,58 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 STEM = "02_memory_wall"
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / f"{STEM}.ipynb"
-DISPLAY_NAME = "Python 3 (macroarch)"
+MAKEFILE = ROOT / "Makefile"
 PROFILE_LINE = 'profile: str = "cpu"'
 NOISE = "is an Enum subclass and is now natively supported by torch.compile"
 RUN_S = 600  # the ci profile's budget for this notebook is 3 minutes on a 2-core CPU; a loaded machine gets slack
 START_S = 120
+SETTLE_S = 3  # after the kernel is idle: JupyterLab has applied the kernel's metadata by then (dirty at once if any)
 WIDGET_BAR = ".jp-OutputArea-output .widget-hprogress"  # ipywidgets' progress bar, as tqdm.notebook draws it
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-                       reason=f"no browser: {CHROMIUM} and {CHROMEDRIVER} are not installed "
-                              "(bash .ci/install-browser.sh installs Debian's chromium and chromium-driver)"),
-]
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (requirements.txt pins it)")
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
+try:
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+except ImportError:  # requirements.txt pins it; the metadata checks below still run
+    webdriver = None
+
+
+def _makefile_kernel() -> tuple[str, str]:
+    """The kernelspec ``make venv`` installs: its ``--name`` and ``--display-name``."""
+    found = re.findall(r'ipykernel install .*--name (\S+) --display-name "([^"]+)"', MAKEFILE.read_text())
+    assert len(found) == 1, f"{MAKEFILE}: expected one `ipykernel install --name N --display-name D`, found {found}"
+    return found[0]
+
+
+def _notebooks() -> list[Path]:
+    return sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_every_notebook_asks_for_the_kernel_the_makefile_installs():
+    name, display_name = _makefile_kernel()
+    wanted = {"name": name, "display_name": display_name, "language": "python"}
+    held = {p.name: json.loads(p.read_text())["metadata"].get("kernelspec") for p in _notebooks()}
+    assert held
+    assert {k: v for k, v in held.items() if v != wanted} == {}, f"the Makefile installs {wanted}"
+
+
+def test_every_notebook_holds_the_language_info_its_kernel_reports():
+    """What JupyterLab writes into ``metadata.language_info`` when the kernel connects is the kernel's kernel_info
+    reply: a notebook holding anything else is marked modified on opening, and saved with it."""
+    from jupyter_client.manager import start_new_kernel
+
+    manager, client = start_new_kernel(kernel_name="python3")  # ipykernel's own spec: this interpreter
+    try:
+        reported = client.kernel_info(reply=True, timeout=60)["content"]["language_info"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    held = {p.name: json.loads(p.read_text())["metadata"].get("language_info") for p in _notebooks()}
+    differ = sorted(k for k, v in held.items() if v != reported)
+    assert held
+    assert not differ, (f"metadata.language_info of {', '.join(differ)} is not this kernel's kernel_info reply "
+                        f"{reported}: JupyterLab marks them modified on opening")
 
 
 def _free_port() -> int:
@@ -80,28 +122,28 @@ def _quiet_settings(config_dir: Path) -> None:
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
 
 
-def _install_kernelspec(data_dir: Path, name: str) -> None:
-    """A kernelspec ``name`` that runs this interpreter, as the Makefile's for ``.venv``."""
+def _install_kernelspec(data_dir: Path) -> str:
+    """The kernelspec the Makefile installs for ``.venv`` (its name and display name), running this interpreter;
+    returns the display name."""
+    name, display_name = _makefile_kernel()
     spec = data_dir / "kernels" / name
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": DISPLAY_NAME, "language": "python", "metadata": {"debugger": True}}))
+        "display_name": display_name, "language": "python", "metadata": {"debugger": True}}))
+    return display_name
 
 
-def _ci_copy(workdir: Path) -> Path:
-    """The committed notebook, with its ``parameters`` cell set to the ci profile."""
-    nb = json.loads(NOTEBOOK.read_text())
-    (cell,) = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
-    source = "".join(cell["source"])
-    assert PROFILE_LINE in source, f"{NOTEBOOK}: the parameters cell no longer starts from {PROFILE_LINE!r}"
-    cell["source"] = source.replace(PROFILE_LINE, 'profile: str = "ci"', 1)
-    copy = workdir / NOTEBOOK.name
-    copy.write_text(json.dumps(nb, indent=1))
-    return copy
+def _strip(path: Path) -> str:
+    """``path`` as git would commit it: through the clean filter the Makefile configures (``nbstripout --keep-id``)."""
+    assert "filter.nbstripout.clean '$(NBSTRIP) --keep-id'" in MAKEFILE.read_text(), "the Makefile's filter changed"
+    with open(path, "rb") as f:
+        return subprocess.run([sys.executable, "-m", "nbstripout", "--keep-id"], stdin=f, capture_output=True,
+                              check=True, text=True).stdout
 
 
 def _start_lab(workdir: Path, home: Path, port: int, token: str, log) -> subprocess.Popen:
+    """JupyterLab as ``make lab`` starts it: from the repository's root, serving ``notebooks/``."""
     env = {**os.environ,
            "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_CONFIG_DIR": str(home / "config"),
            "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "IPYTHONDIR": str(home / "ipython"),
@@ -110,7 +152,8 @@ def _start_lab(workdir: Path, home: Path, port: int, token: str, log) -> subproc
     env.pop("MACROARCH_COMPILE", None)  # the notebook's kernel as a user's, not the tests' eager setting
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--ServerApp.port={port}",
                "--ServerApp.ip=127.0.0.1", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-               f"--ServerApp.root_dir={workdir}", "--LabApp.news_url=None", "--LabApp.extension_manager=readonly"]
+               f"--ServerApp.root_dir={workdir / 'notebooks'}", "--LabApp.news_url=None",
+               "--LabApp.extension_manager=readonly"]
     if os.geteuid() == 0:  # CI runs as root
         command.append("--allow-root")
     return subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -166,20 +209,54 @@ def _prompts(driver) -> list[str]:
     return _texts(driver, ".jp-CodeCell .jp-InputArea-prompt")
 
 
+def _bar_text(bar) -> str:
+    """The text of the tqdm widget around ``bar`` (ipywidgets' HBox: description, bar, counts), its white space (tqdm
+    pads with figure spaces) as single spaces."""
+    text = bar.find_element(By.XPATH, "./ancestor::div[contains(@class, 'widget-hbox')][1]").text
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _dirty(driver) -> bool:
+    """Whether the notebook's tab shows JupyterLab's modified mark."""
+    tabs = driver.find_elements(By.CSS_SELECTOR, ".lm-DockPanel-tabBar .lm-TabBar-tab")
+    return any("jp-mod-dirty" in (t.get_attribute("class") or "") for t in tabs if NOTEBOOK.name in t.text)
+
+
+def _set_profile(driver, profile: str) -> None:
+    """Type ``profile`` over the word ``cpu`` of the parameters cell's first line, as a user edits it."""
+    (editor,) = [e for e in driver.find_elements(By.CSS_SELECTOR, ".jp-CodeCell .cm-content")
+                 if PROFILE_LINE in e.text]
+    (word,) = [s for s in editor.find_elements(By.CSS_SELECTOR, ".cm-line span") if s.text == '"cpu"']
+    webdriver.ActionChains(driver).double_click(word).perform()
+    _wait("the word cpu to be selected", lambda: driver.execute_script("return window.getSelection().toString()")
+          == "cpu", 20, every=0.2)
+    webdriver.ActionChains(driver).send_keys(profile).perform()
+    _wait(f"the parameters cell to read profile {profile!r}",
+          lambda: PROFILE_LINE.replace("cpu", profile) in editor.text, 20)
+    webdriver.ActionChains(driver).send_keys(Keys.ESCAPE).perform()  # out of the editor: command mode
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
+                    reason=f"no browser: {CHROMIUM} and {CHROMEDRIVER} are not installed "
+                           "(bash .ci/install-browser.sh installs Debian's chromium and chromium-driver)")
+@pytest.mark.skipif(webdriver is None, reason="selenium is not installed (requirements.txt pins it)")
 def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tmp_path):
     from macroarch.repro.paper import record_from_result
     from macroarch.repro.tracking import notebook_problem, read_result, result_path
     from macroarch.repro.wandb_offline import find_offline_runs
 
-    committed = hashlib.sha256(NOTEBOOK.read_bytes()).hexdigest()
-    kernelspec = json.loads(NOTEBOOK.read_text())["metadata"]["kernelspec"]
-    assert kernelspec["display_name"] == DISPLAY_NAME
+    committed = NOTEBOOK.read_text()
+    kernelspec = json.loads(committed)["metadata"]["kernelspec"]
     home, workdir, shots = tmp_path / "jupyter", tmp_path / "work", tmp_path / "screenshots"
-    for d in (home, workdir, shots):
-        d.mkdir()
-    _install_kernelspec(home / "data", kernelspec["name"])
+    for d in (home, workdir / "notebooks", shots):
+        d.mkdir(parents=True)
+    display_name = _install_kernelspec(home / "data")
     _quiet_settings(home / "config")
-    copy = _ci_copy(workdir)
+    copy = workdir / "notebooks" / NOTEBOOK.name
+    shutil.copyfile(NOTEBOOK, copy)  # the committed bytes, opened where `make lab` serves them
+    as_json = json.dumps(PROFILE_LINE)[1:-1]  # the line as the .ipynb file spells it
+    assert committed.count(as_json) == 1, f"{NOTEBOOK}: the parameters cell no longer starts from {PROFILE_LINE!r}"
     port, token = _free_port(), hashlib.sha256(os.urandom(16)).hexdigest()[:32]
 
     lab = driver = None
@@ -197,11 +274,20 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
             _wait("the notebook's kernel to be idle", lambda: driver.find_elements(
                 By.CSS_SELECTOR, ".jp-NotebookPanel") and "Idle" in " ".join(_texts(driver, ".jp-StatusBar-Widget"))
                 or driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"), START_S)
-            driver.save_screenshot(str(shots / "1_opened.png"))
             assert not driver.find_elements(By.CSS_SELECTOR, ".jp-Dialog"), \
                 f"a dialog instead of the kernel: {_texts(driver, '.jp-Dialog')}"
+            # Not modified by opening it: JupyterLab has written the kernel's language_info and kernelspec into
+            # the notebook's metadata by now, which changes nothing when the committed notebook holds them.
+            settle = time.monotonic() + SETTLE_S
+            while time.monotonic() < settle and not _dirty(driver):
+                time.sleep(0.2)
+            driver.save_screenshot(str(shots / "1_opened.png"))
+            assert not _dirty(driver), (f"JupyterLab marks {NOTEBOOK.name} modified right after opening it: its "
+                                        "metadata (kernelspec, language_info) differs from what the kernel reports")
             shown = " ".join(_texts(driver, ".jp-NotebookPanel-toolbar .jp-Toolbar-kernelName"))
-            assert DISPLAY_NAME in shown, f"kernel shown: {shown!r}"
+            assert display_name in shown, f"kernel shown: {shown!r}"
+
+            _set_profile(driver, "ci")
 
             _palette(driver, "Run All Cells")
             _wait("the run to start", lambda: "[*]:" in _prompts(driver), 60, every=0.2)
@@ -217,7 +303,7 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
                 if not progress and (bars := driver.find_elements(By.CSS_SELECTOR, WIDGET_BAR)):  # while it runs
                     driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", bars[0])
                     driver.save_screenshot(str(shots / "3_progress.png"))
-                    progress.append(bars[0].text)
+                    progress.append(_bar_text(bars[0]))
                 prompts = _prompts(driver)
                 done = prompts and "[*]:" not in prompts and all(p.strip() not in ("[ ]:", "") for p in prompts)
                 return prompts if done else None
@@ -242,10 +328,12 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
                     if bars := driver.find_elements(By.CSS_SELECTOR, WIDGET_BAR):
                         driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", bars[0])
                         driver.save_screenshot(str(shots / "3_progress.png"))
-                        progress.append(bars[0].find_element(By.XPATH, "./..").text)
+                        progress.append(_bar_text(bars[0]))
                         break
             (tmp_path / "progress.txt").write_text(repr(progress))
             assert progress, "no progress widget rendered"
+            # tqdm's widget: its description, the bar, then "n/total [elapsed<remaining, rate]"
+            assert re.fullmatch(r"\S.*: \d+% \d+/\d+ \[.*\]", progress[0]), f"progress widget text: {progress[0]!r}"
             assert len(prompts) == sum(1 for c in json.loads(copy.read_text())["cells"] if c["cell_type"] == "code")
 
             before = copy.stat().st_mtime_ns
@@ -291,5 +379,8 @@ def test_jupyterlab_runs_the_notebook_at_the_ci_profile_in_chromium(isolated, tm
     assert any(WIDGET_MIME in o.get("data", {}) for c in run_code for o in c["outputs"]), "no progress recorded"
     assert record_from_result(result, result_path("C4", "ci")).evidence == evidence  # the paper's evidence
 
-    assert hashlib.sha256(NOTEBOOK.read_bytes()).hexdigest() == committed, f"{NOTEBOOK} was changed"
+    # what git would commit after this session is the committed notebook with the one edit typed in the browser:
+    # outputs stripped by the Makefile's filter, and no metadata or cell that JupyterLab added or changed
+    assert _strip(copy) == committed.replace(as_json, as_json.replace("cpu", "ci"))
+    assert NOTEBOOK.read_text() == committed, f"{NOTEBOOK} was changed"
     shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)  # the screenshots and the log stay

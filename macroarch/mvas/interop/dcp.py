@@ -18,28 +18,35 @@ other, another format, another block size), another shape, or optimizer state wh
 dividing the shard), so the moments of some world sizes cannot be carried to others; load the weights alone
 (``optimizer=None``) then. Other entries are DCP's (dense tensors, DTensors) and reshard as usual.
 
-**What else travels** (exact resume): DCP holds tensors only, so ``save`` also writes, beside DCP's files, each
-rank's optimizer ``state_dict()`` without its per-parameter state (``EXTRAS_NAME``: the param groups with their
-scheduled learning rates, ``MVASAdamW``'s stochastic-rounding seed and skip count, ``CompensatedAdamW``'s and
-DGR's extras), with ``torch.save``; ``load`` reads it with ``torch.load(weights_only=True)`` and puts it back through
-the optimizer's own ``load_state_dict`` after the tensors, so a resumed run continues as the uninterrupted one. At
-the world size it was saved with each rank gets its own; at another, rank 0's, which is exact for what every rank
-holds alike (param groups, seeds, counters), and refused if it holds tensors (per-rank queues and snapshots do not
+**What else travels** (exact resume, integrity): DCP holds tensors only, so ``save`` also writes, beside DCP's
+files, one file per rank (``EXTRAS_NAME``, with ``torch.save``): the sha256 of every tensor chunk that rank wrote
+(payloads, scales, dense tensors, optimizer state; keyed as DCP's metadata keys the chunk: its name and global
+offset), and the optimizer's ``state_dict()`` without its per-parameter state (the param groups with their
+scheduled learning rates, ``MVASAdamW``'s stochastic-rounding seed and skip count, ``CompensatedAdamW``'s and DGR's
+extras). ``load`` reads them with ``torch.load(weights_only=True)`` and puts the optimizer's back through its own
+``load_state_dict`` after the tensors, so a resumed run continues as the uninterrupted one. At the world size it was
+saved with each rank gets its own optimizer extras; at another, rank 0's, which is exact for what every rank holds
+alike (param groups, seeds, counters), and refused if they hold tensors (per-rank queues and snapshots do not
 reshard).
 
-**All or nothing.** ``load`` refuses an incompatible checkpoint before reading it (``check_compatible``). Then
-DCP writes into the model's and optimizer's tensors in place and may fail part-way (a truncated or unreadable
-file: its ``CheckpointException`` is a ``BaseException``): every tensor it can write is copied first and put back
-on any failure, optimizer state that ``ensure_state`` created is dropped again, and a ``RuntimeError`` says that
-nothing was loaded (``KeyboardInterrupt`` and ``SystemExit`` pass through as they are, after the restore). What
-it read is checked before it is kept: managed weights (``MVASWeight.validate``: finite non-negative scales, no
-payload code that decodes to NaN or infinity) and the optimizer state (finite moments, valid packed codes and
-scales); one bad tensor on any rank restores every rank. DCP carries no checksums: bytes flipped into valid codes
-load undetected (the packed safetensors form, ``macroarch.mvas.interop.checkpoint``, verifies a sha256 per tensor).
+**All or nothing.** ``load`` refuses an incompatible checkpoint before reading it (``check_compatible``). Then it
+verifies the checkpoint before writing anything (``verify``): every saved chunk of every tensor it will load is read
+whole, in the layout it was saved in whatever this process's layout (one tensor at a time, the ranks sharing the
+tensors: the checkpoint is read twice in all), and its sha256 compared with the one recorded at save; a truncated
+or unreadable file, flipped bytes or a chunk without a digest is refused, and so are values no save writes
+(``unusable``: NaN, infinite or negative scales, payload and moment codes that decode to NaN or infinity,
+non-finite moments). One problem on any rank refuses on every rank, with a ``ValueError`` naming the tensors; the
+model and the optimizer are untouched (state that ``ensure_state`` created for the load is dropped again). Only
+then does DCP write into the model's and optimizer's tensors in place; should that still fail part-way (the files
+changed meanwhile: DCP's ``CheckpointException`` is a ``BaseException``), every tensor it can write was copied
+first and is put back, and a ``RuntimeError`` says that nothing was loaded (``KeyboardInterrupt`` and
+``SystemExit`` pass through as they are, after the restore). A parameter that had no optimizer state when the
+checkpoint was saved (DGR's interleaved mode delays group g's first step by g steps) has none after the load.
 
 **Trust.** DCP's ``.metadata`` file is a Python pickle that torch unpickles when a checkpoint is read (and DCP loads
 non-tensor entries with ``torch.load(weights_only=False)``): loading a crafted checkpoint runs its code. Load only
-checkpoints from a trusted source. The extras file is read with ``torch.load(weights_only=True)``, which refuses any
+checkpoints from a trusted source: the sha256 digests detect corruption, not a checkpoint crafted with digests
+to match. The extras file is read with ``torch.load(weights_only=True)``, which refuses any
 code; the packed safetensors form and ``torch.load(weights_only=True)`` of a state dict run none either.
 
 Deviation: optimizer state is reached through the optimizer's ``state`` dict, keyed by the parameters (DTensors
@@ -49,13 +56,18 @@ state yet gets it from its public ``init_state()`` (``MVASAdamW``, ``Compensated
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dist_cp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from macroarch.mvas.codecs.codes import FP8_DTYPES
 from macroarch.mvas.codecs.formats import FORMATS
@@ -64,12 +76,16 @@ from macroarch.mvas.packed.weight import MVASWeight
 from macroarch.mvas.store import PAYLOAD_SUFFIX, SCALES_SUFFIX, TensorSnapshot
 from macroarch.optim.functional import local
 
-__all__ = ["EXTRAS_NAME", "OPTIM_PREFIX", "check_compatible", "check_loaded", "checkpoint_state", "ensure_state",
-           "load", "optimizer_extras", "read_extras", "save"]
+__all__ = ["EXTRAS_NAME", "OPTIM_PREFIX", "check_compatible", "checkpoint_state", "ensure_state", "load",
+           "optimizer_extras", "read_digests", "read_extras", "save", "unusable", "verify"]
 
 OPTIM_PREFIX = "optim."
-EXTRAS_NAME = "mvas_optimizer_extras.rank{rank}.pt"
-"""File of one rank's optimizer ``state_dict()`` without its per-parameter state, beside DCP's files."""
+EXTRAS_NAME = "mvas_extras.rank{rank}.pt"
+"""File of one rank's sha256 digests and optimizer ``state_dict()`` without its per-parameter state, beside DCP's
+files (module docstring)."""
+
+Digests = dict[str, dict[tuple[int, ...], str]]
+"""tensor name -> global offset of a saved chunk -> sha256 of the chunk's bytes (hex), as ``save`` records them."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -145,6 +161,15 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None =
     return out
 
 
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP's calls without collectives (``no_dist=True``): without its warning that it assumes so, which it gives
+    whether or not ``no_dist`` was asked for (here it is, deliberately: one process, or one rank's own reading)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+        yield
+
+
 def _rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -159,36 +184,87 @@ def optimizer_extras(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.state_dict().items() if k != "state"}
 
 
+def _sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in row-major order (its dtype's own encoding), hex."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return hashlib.sha256(flat.numpy()).hexdigest()
+
+
+class _DigestingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that also records the sha256 of every tensor chunk this rank writes, keyed as
+    DCP's metadata keys it (name, global offset)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sha256: Digests = {}
+
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        if torch.is_tensor(data):
+            self.sha256.setdefault(write_item.index.fqn, {})[tuple(write_item.index.offset)] = _sha256(data)
+        return data
+
+
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save ``checkpoint_state(model, optimizer)`` with DCP (collective under a process group), and each rank's
-    ``optimizer_extras`` beside it (``EXTRAS_NAME``, module docstring)."""
+    sha256 digests and ``optimizer_extras`` beside it (``EXTRAS_NAME``, module docstring)."""
+    import torch.distributed as dist
+
     path = os.fspath(path)
-    if optimizer is not None:
-        rank, world = _rank_and_world()
-        os.makedirs(path, exist_ok=True)
-        torch.save({"world_size": world, "extras": optimizer_extras(optimizer)},
-                   os.path.join(path, EXTRAS_NAME.format(rank=rank)))
-    dist_cp.save(checkpoint_state(model, optimizer), checkpoint_id=path)
+    rank, world = _rank_and_world()
+    planner = _DigestingSavePlanner()
+    with _one_process() if world == 1 else contextlib.nullcontext():
+        dist_cp.save(checkpoint_state(model, optimizer), checkpoint_id=path, planner=planner, no_dist=world == 1)
+    extras = None if optimizer is None else optimizer_extras(optimizer)
+    target = os.path.join(path, EXTRAS_NAME.format(rank=rank))
+    torch.save({"world_size": world, "sha256": planner.sha256, "extras": extras}, target + ".partial")
+    os.replace(target + ".partial", target)  # never a half-written file under the name load reads
+    if world > 1:
+        dist.barrier()  # every rank's file is there when save returns
+
+
+def _read_saved(path: str, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s ``EXTRAS_NAME`` file at ``path``, read with ``torch.load(weights_only=True)``."""
+    file = os.path.join(path, EXTRAS_NAME.format(rank=rank))
+    if not os.path.exists(file):
+        raise ValueError(f"checkpoint {path} has no {EXTRAS_NAME.format(rank=rank)} (the sha256 of each tensor that "
+                         "rank saved, and its optimizer's param groups, seeds, counters): saved by an older version "
+                         "or copied without it, so it cannot be verified; nothing was loaded")
+    try:
+        saved = torch.load(file, weights_only=True)
+    except Exception as exc:  # weights_only refuses anything but tensors and plain values
+        raise ValueError(f"checkpoint {path}: {EXTRAS_NAME.format(rank=rank)} cannot be read ({type(exc).__name__}: "
+                         f"{exc}); nothing was loaded") from exc
+    if not isinstance(saved, dict) or not {"world_size", "sha256", "extras"} <= saved.keys():
+        raise ValueError(f"checkpoint {path}: {EXTRAS_NAME.format(rank=rank)} is not a macroarch extras file (no "
+                         "world_size, sha256 and extras); nothing was loaded")
+    return saved
+
+
+def read_digests(path: str | os.PathLike) -> Digests:
+    """The sha256 of every tensor chunk saved at ``path``, from every saving rank's file; ValueError if one is
+    missing or unreadable."""
+    path = os.fspath(path)
+    world = _read_saved(path, 0)["world_size"]
+    digests: Digests = {}
+    for rank in range(world):
+        for name, chunks in _read_saved(path, rank)["sha256"].items():
+            digests.setdefault(name, {}).update(chunks)
+    return digests
 
 
 def read_extras(path: str | os.PathLike) -> dict[str, Any]:
-    """This rank's ``optimizer_extras`` saved at ``path`` (rank 0's at another world size), read with
-    ``torch.load(weights_only=True)``; ValueError if there are none or they cannot go to this world size."""
+    """This rank's ``optimizer_extras`` saved at ``path`` (rank 0's at another world size); ValueError if the
+    checkpoint holds none or they cannot go to this world size."""
     path = os.fspath(path)
     rank, world = _rank_and_world()
-    own = os.path.join(path, EXTRAS_NAME.format(rank=rank))
-    first = os.path.join(path, EXTRAS_NAME.format(rank=0))
-    if not os.path.exists(first):
-        raise ValueError(f"checkpoint {path} holds no optimizer extras ({EXTRAS_NAME.format(rank=0)}: param groups, "
-                         "seeds, counters): saved without an optimizer or by an older version; nothing was loaded. "
-                         "Load the weights alone with optimizer=None")
-    try:
-        saved = torch.load(first, weights_only=True)
-        if saved["world_size"] == world and os.path.exists(own):
-            saved = torch.load(own, weights_only=True)
-    except Exception as exc:  # weights_only refuses anything but tensors and plain values
-        raise ValueError(f"checkpoint {path}: the optimizer extras cannot be read ({type(exc).__name__}: {exc}); "
-                         "nothing was loaded") from exc
+    saved = _read_saved(path, 0)
+    if saved["world_size"] == world and rank:
+        saved = _read_saved(path, rank)
+    if saved["extras"] is None:
+        raise ValueError(f"checkpoint {path} was saved without an optimizer (its {EXTRAS_NAME.format(rank=0)} holds "
+                         "no optimizer extras: param groups, seeds, counters); nothing was loaded. Load the weights "
+                         "alone with optimizer=None")
     if saved["world_size"] != world and any(torch.is_tensor(t) and t.dim() > 0 for t in _leaves(saved["extras"])):
         raise ValueError(f"checkpoint {path} was saved on {saved['world_size']} ranks with per-rank tensors in the "
                          f"optimizer's state_dict (DGR's queues, DC-ASGD snapshots), which do not reshard to "
@@ -262,34 +338,88 @@ def check_compatible(path: str | os.PathLike, state: dict[str, Any]) -> None:
                          + "\n  ".join(problems))
 
 
-def check_loaded(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
-    """What is unusable in ``model``'s managed weights (``MVASWeight.validate``) and ``optimizer``'s state tensors
-    (non-finite floats, fp8 codes that decode to NaN or infinity, negative scales), by name; this rank's tensors."""
+def _what(key: str) -> str:
+    """A checkpoint entry in words: a managed weight's payload or scales, optimizer state, or a tensor."""
+    for suffix, part in ((PAYLOAD_SUFFIX, "payload"), (SCALES_SUFFIX, "scales")):
+        if key.endswith(suffix):
+            return f"weight {key.removesuffix(suffix)!r} ({part})"
+    if key.startswith(OPTIM_PREFIX):
+        return f"optimizer state {key.removeprefix(OPTIM_PREFIX)}"
+    return f"tensor {key!r}"
+
+
+def unusable(key: str, t: torch.Tensor) -> int:
+    """How many values of checkpoint entry ``key`` no save writes: NaN, infinite or negative scales (a weight's, or
+    a packed moment's ``*_scales``), payload and moment codes that decode to NaN or infinity (fp8 codes as bytes,
+    16-bit payloads' NaN), non-finite dense moments and master copies. Zero for the other entries (dense weights
+    and buffers: a model may hold anything there)."""
+    if key.endswith(SCALES_SUFFIX) or (key.startswith(OPTIM_PREFIX) and key.endswith("_scales")):
+        return bad_scales(t)
+    if key.endswith(PAYLOAD_SUFFIX):
+        return nonfinite_codes(t)
+    if key.startswith(OPTIM_PREFIX):
+        if t.dtype in FP8_DTYPES:
+            return nonfinite_codes(t)
+        return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+    return 0
+
+
+class _DigestCheckingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that hashes each saved chunk as it lands in a full-size tensor: (name, offset) ->
+    (the region read, its sha256, whether it starts at the chunk's origin)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], str, bool]] = {}
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        index = read_item.storage_index
+        self.read[(index.fqn, tuple(index.offset))] = (tuple(read_item.lengths), _sha256(tensor),
+                                                       not any(read_item.storage_offsets))
+
+
+def _verify_entry(path: str, key: str, metadata: Any, digests: Digests) -> list[str]:
+    """The problems of checkpoint entry ``key`` (module docstring): each saved chunk read whole into a full-size
+    tensor, its sha256 against the recorded one, then its values (``unusable``)."""
+    full = torch.empty(tuple(metadata.size), dtype=metadata.properties.dtype)
+    planner = _DigestCheckingLoadPlanner()
+    try:
+        with _one_process():
+            dist_cp.load({key: full}, checkpoint_id=path, planner=planner, no_dist=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001  (CheckpointException is a BaseException)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]  # DCP's: a traceback per rank
+        reason = lines[-1][:160] if lines else ""
+        return [f"{_what(key)}: unreadable ({type(exc).__name__}: {reason})"]
     problems = []
-    for name, p in model.named_parameters():
-        local = _local(p)
-        if isinstance(local, MVASWeight):
-            try:
-                local.validate()
-            except ValueError as exc:
-                problems.append(f"weight {name!r}: {exc}")
-    if optimizer is None:
+    for chunk in metadata.chunks:
+        offset = tuple(chunk.offsets)
+        expected, read = digests.get(key, {}).get(offset), planner.read.get((key, offset))
+        where = f"{_what(key)}, chunk at {list(offset)}"
+        if expected is None:
+            problems.append(f"{where}: no sha256 was recorded for it at save")
+        elif read is None or read[0] != tuple(chunk.sizes) or not read[2]:
+            problems.append(f"{where}: not read whole (DCP read {read and list(read[0])} of {list(chunk.sizes)})")
+        elif read[1] != expected:
+            problems.append(f"{where}: sha256 {read[1][:16]}... is not the {expected[:16]}... recorded at save "
+                            "(its bytes changed: a corrupt or altered file)")
+    if problems:
         return problems
-    keys = _optimizer_keys(model, optimizer)
-    for group in optimizer.param_groups:
-        for t in group["params"]:
-            name = keys[id(t)][0] if id(t) in keys else "?"
-            for key, v in optimizer.state.get(t, {}).items():
-                if not torch.is_tensor(v):
-                    continue
-                v = _local(v)
-                bad = nonfinite_codes(v) if v.dtype in FP8_DTYPES else (
-                    int((~torch.isfinite(v)).sum()) if v.is_floating_point() else 0)
-                if key.endswith("_scales"):
-                    bad = bad_scales(v)
-                if bad:
-                    problems.append(f"optimizer state {name}.{key}: {bad} values are NaN, infinite or negative")
-    return problems
+    bad = unusable(key, full)
+    return [f"{_what(key)}: {bad} values are NaN, infinite or negative (codes no save writes)"] if bad else []
+
+
+def verify(path: str | os.PathLike, state: dict[str, Any]) -> list[str]:
+    """What is wrong with the entries of ``state`` (``checkpoint_state``) in the checkpoint at ``path``: sha256
+    mismatches, chunks without a digest, unreadable data, unusable values (module docstring). This rank checks every
+    ``world``-th entry; combine the verdicts with ``_agree``. Reads the checkpoint, writes nothing."""
+    path = os.fspath(path)
+    digests = read_digests(path)
+    metadata = dist_cp.FileSystemReader(path).read_metadata().state_dict_metadata
+    rank, world = _rank_and_world()
+    keys = [key for key, value in state.items() if torch.is_tensor(value)]
+    return [problem for key in keys[rank::world] for problem in _verify_entry(path, key, metadata[key], digests)]
 
 
 def _agree(failed: bool) -> bool:
@@ -307,11 +437,11 @@ def _agree(failed: bool) -> bool:
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Load a ``save`` checkpoint into ``model`` (and ``optimizer``, with its non-tensor state) in place, in this
     process's layout (any world size whose shards are whole blocks). All or nothing (module docstring): refused
-    before reading anything if ``check_compatible`` fails, and put back as it was if reading fails part-way or what
-    it read is unusable.
+    before anything is written if ``check_compatible`` or ``verify`` (sha256 of every saved chunk, usable values)
+    fails on any rank, and put back as it was if writing fails part-way.
 
     Trust: torch unpickles the checkpoint's ``.metadata`` (module docstring): load only checkpoints from a trusted
-    source."""
+    source; the sha256 digests catch corruption, not a crafted checkpoint."""
     path = os.fspath(path)
     fresh = [] if optimizer is None else [t for group in optimizer.param_groups for t in group["params"]
                                           if not optimizer.state.get(t)]
@@ -319,28 +449,36 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         ensure_state(optimizer)
     try:
         state = checkpoint_state(model, optimizer)
+        unsaved = [] if optimizer is None else _unsaved_state(path, model, optimizer, state)
         check_compatible(path, state)
         extras = None if optimizer is None else read_extras(path)
+        problems = verify(path, state)
+        if _agree(bool(problems)):
+            raise ValueError(f"checkpoint {path} is refused, nothing was loaded:\n  "
+                             + ("\n  ".join(problems[:10]) if problems else "a problem found on another rank (see "
+                                                                             "its error)"))
     except BaseException:
         _drop_state(optimizer, fresh)
         raise
     snapshot = TensorSnapshot(_local(v) for v in state.values() if torch.is_tensor(v))
+    dropped: dict[torch.Tensor, Any] = {}
     try:
         failure = None
         try:
-            dist_cp.load(state, checkpoint_id=path)
+            one = _rank_and_world()[1] == 1
+            with _one_process() if one else contextlib.nullcontext():
+                dist_cp.load(state, checkpoint_id=path, no_dist=one)
         except BaseException as exc:  # CheckpointException is a BaseException
             failure = exc
-        problems = [] if failure is not None else check_loaded(model, optimizer)
-        if _agree(failure is not None or bool(problems)):
-            if failure is not None:
-                raise failure
-            raise ValueError(f"checkpoint {path} holds unusable values (nothing was loaded):\n  "
-                             + ("\n  ".join(problems[:10]) if problems else "on another rank"))
+        if _agree(failure is not None):
+            raise failure if failure is not None else RuntimeError("the load failed on another rank")
         if optimizer is not None:
+            dropped = {t: optimizer.state.pop(t) for t in unsaved if t in optimizer.state}
             optimizer.load_state_dict({**optimizer.state_dict(), **extras})
     except BaseException as exc:
         snapshot.restore()
+        for t, own in dropped.items():
+            optimizer.state[t] = own
         _drop_state(optimizer, fresh)
         _mark_written(model)
         if isinstance(exc, KeyboardInterrupt | SystemExit | ValueError):
@@ -350,6 +488,25 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
                            f"{lines[-1] if lines else ''}); the model and optimizer were put back as they were: "
                            "nothing was loaded") from exc
     _mark_written(model)
+
+
+def _unsaved_state(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   state: dict[str, Any]) -> list[torch.Tensor]:
+    """The optimizer's parameters (as its ``state`` keys them) that had no state when the checkpoint was saved (DGR's
+    interleaved mode: a group delayed by g steps has not stepped in the first g), with their entries taken out of
+    ``state``: the load leaves them without state, as the saved optimizer was."""
+    saved = dist_cp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = _optimizer_keys(model, optimizer)
+    unsaved = []
+    for group in optimizer.param_groups:
+        for t in group["params"]:
+            prefix = f"{OPTIM_PREFIX}{keys[id(t)][0]}."
+            entries = [key for key in state if key.startswith(prefix) and "." not in key.removeprefix(prefix)]
+            if entries and not any(key in saved for key in entries):
+                unsaved.append(t)
+                for key in entries:
+                    del state[key]
+    return unsaved
 
 
 def _drop_state(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> None:
