@@ -590,18 +590,22 @@ def timing_text(sw: Sweep) -> str:
         for stack, t in medians.items())
 
 
-def _target():
-    from macroarch.repro.claims import get_claim  # the registry's target, drawn as graded
-
-    return get_claim("C10").target_for("best_lr_multiplier")
+FONT = 8
+"""The smallest text of the figure, in points: 8 pt prints at 6.7 pt in an 8 in figure scaled to the report's page."""
 
 
-def plot(sw: Sweep, a: Analysis) -> Figure:
-    """Held-out loss against the LR multiplier with each stack's optimum; the graded shift with its interval and
-    the post's band; training curves at 1x; the spike guard at work in the macro run where it fired most."""
+def _below(ax: plt.Axes, ncol: int = 1, offset: float = 0.16) -> None:
+    ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -offset), ncol=ncol, frameon=False)
+
+
+def plot(sw: Sweep, a: Analysis, target: Any) -> Figure:
+    """Four panels (2 x 2): held-out loss against the LR multiplier with each stack's optimum (an optimum at the
+    grid's edge says so); the graded shift with its interval, the single seeds' shifts and the post's band
+    (``target``: the registry's ``best_lr_multiplier`` target, passed in by the notebook; anything with its ``lo``,
+    ``hi`` and ``no_effect``); training curves at 1x; the spike guard at work in the macro run where it fired most."""
     p, mults, n = sw.settings, sw.multipliers, len(sw.seeds)
-    fig, axes = plt.subplots(1, 4, figsize=(21, 5.2), gridspec_kw={"width_ratios": [1.5, 0.8, 1.1, 1.1]})
-    ax = axes[0]
+    fig, axes = plt.subplots(2, 2, figsize=(7.8, 9.0), layout="constrained")
+    ax = axes[0, 0]
     for k, stack in enumerate(p.stacks):
         line = ax.errorbar(mults, a.means[stack], yerr=a.errors[stack], fmt="o-", ms=4, capsize=2, color=f"C{k}",
                            label=f"{stack}: optimum {a.optimum[stack]:.2f}x" + (" (grid edge)" if stack in a.edges
@@ -609,26 +613,28 @@ def plot(sw: Sweep, a: Analysis) -> Figure:
         ax.axvline(a.optimum[stack], color=line[0].get_color(), lw=0.8, ls=":")
         bad = [(x, y) for x, y in zip(mults, a.means[stack]) if sw.diverged(stack, p.graded_warmup, x)]
         if bad:
-            ax.plot(*zip(*bad), "x", color=f"C{k}", ms=9, mew=2, label=f"{stack}: a seed diverged (charged the "
-                    "untrained loss)")
+            ax.plot(*zip(*bad), "x", color=f"C{k}", ms=9, mew=2, ls="none",
+                    label=f"{stack}: a seed diverged (charged the untrained loss)")
     for x in sw.extensions:
         ax.axvline(x, color="0.6", lw=0.5)
     ax.set(xscale="log", xticks=mults, xticklabels=[f"{x:g}" for x in mults],
            xlabel=f"LR multiplier (x of base LR {p.base_lr:g})",
-           ylabel=f"held-out loss (nats/byte), mean of {n} seeds ±1 s.e.",
-           title=f"final loss vs LR (warmup x{p.graded_warmup:g}, both stacks)")
+           ylabel=f"held-out loss (nats/byte),\nmean of {n} seeds ±1 s.e.",
+           title=f"final loss vs LR (warmup x{p.graded_warmup:g}, every stack)")
     ax.xaxis.set_minor_formatter(plt.NullFormatter())
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    ax.tick_params(axis="x", labelsize=FONT)
+    _below(ax)
 
-    ax, t = axes[1], _target()
+    ax = axes[0, 1]
     shifts = [("macro / plain\n(graded)", a.estimates["best_lr_multiplier"], a.seed_shifts)]
     if "mvas_lr_shift" in a.estimates:
         shifts.append(("mvas / plain", a.estimates["mvas_lr_shift"], None))
-    ax.axhspan(t.lo, t.hi, color="C2", alpha=0.15, label=f"post: {t.lo:g}-{t.hi:g}x (reproduced)")
-    ax.axhspan(*t.no_effect, color="0.5", alpha=0.15, label=f"no effect: {t.no_effect[0]:g}-{t.no_effect[1]:g}x")
+    ax.axhspan(target.lo, target.hi, color="C2", alpha=0.15, label=f"post: {target.lo:g}-{target.hi:g}x (reproduced)")
+    ax.axhspan(*target.no_effect, color="0.5", alpha=0.15,
+               label=f"no effect: {target.no_effect[0]:g}-{target.no_effect[1]:g}x")
     ax.axhline(1.0, color="0.3", lw=0.6)
     rng = np.random.default_rng(0)
-    span = [t.lo, t.hi, *t.no_effect]
+    span = [target.lo, target.hi, *target.no_effect]
     for j, (_, e, dots) in enumerate(shifts):
         if dots is not None:
             ax.scatter(j - 0.25 + rng.uniform(-0.06, 0.06, len(dots)), dots, s=14, color="C1", alpha=0.5, lw=0,
@@ -637,35 +643,38 @@ def plot(sw: Sweep, a: Analysis) -> Figure:
         span += [lo, hi, *(dots or [])]
         ax.errorbar([j], [e.value], yerr=[[e.value - lo], [hi - e.value]], fmt="D", color="k" if j == 0 else "0.45",
                     ms=6, capsize=6, lw=1.5, label=(f"seed-mean optimum ratio, {e.confidence:.0%} bootstrap "
-                                                    f"(n={e.n})" if e.has_interval else "no interval") if j == 0
+                                                    f"(n={e.n})" if e.has_interval else
+                                                    f"seed-mean optimum ratio (n={e.n}: no interval)") if j == 0
                     else None)
+    pad = 0.08 * (max(span) - min(span))
     ax.set(xticks=range(len(shifts)), xticklabels=[s[0] for s in shifts], xlim=(-0.6, len(shifts) - 0.4),
-           ylim=(min(span) - 0.08 * (max(span) - min(span)), max(span) + 0.08 * (max(span) - min(span))),
-           xlabel="stacks compared (same warmup, paired seeds)", ylabel="LR optimum ratio, macro (or mvas) / plain (x)",
-           title="the graded shift: best_lr_multiplier")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))  # below the two-line tick and the label
+           ylim=(min(span) - pad, max(span) + pad), xlabel="stacks compared (same warmup, paired seeds)",
+           ylabel="LR optimum ratio (x)", title="graded: best_lr_multiplier")
+    _below(ax, offset=0.2)  # below the two-line tick label and the axis label
 
-    ax = axes[2]
+    ax = axes[1, 0]
     for (stack, warm), curve in mean_curves(sw).items():
         ax.plot(np.convolve(curve, np.ones(9) / 9, mode="valid"), lw=0.9, color=f"C{p.stacks.index(stack)}",
                 ls="-" if warm == p.graded_warmup else "--", label=f"{stack}, warmup x{warm:g}")
-    ax.set(xlabel="step", ylabel="training loss (nats/byte, 9-step mean)", title=f"training curves at 1x, mean of "
-           f"{n} seeds")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    ax.set(xlabel="step", ylabel="training loss (nats/byte, 9-step mean)",
+           title=f"training curves at 1x, mean of {n} seeds")
+    _below(ax, ncol=2)
 
-    ax = axes[3]
+    ax = axes[1, 1]
     shown = max((k for k in sw.results if k[0] == "macro"), key=lambda k: sw.results[k].metrics["spike_triggers"])
     r = sw.results[shown]
-    ax.plot(r.series["lr"], lw=0.9, color="C1", label=f"macro, {shown[1]:g}x, warmup x{shown[2]:g}, seed {shown[3]}: "
-            "LR applied")
+    ax.plot(r.series["lr"], lw=0.9, color="C1", label=f"LR applied (macro, {shown[1]:g}x, warmup x{shown[2]:g}, "
+            f"seed {shown[3]})")
     ax.set(xlabel="step", ylabel="learning rate", title=f"spike guard: {int(r.metrics['spike_triggers'])} triggers "
            "in this run")
-    ax2 = ax.twinx()
-    ax2.plot(r.losses, color="grey", lw=0.5, alpha=0.7, label="training loss")
-    ax2.set_ylabel("training loss (nats/byte)")
-    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    fig.tight_layout()
+    twin = ax.twinx()
+    twin.plot(r.losses, color="grey", lw=0.5, alpha=0.7, label="training loss")
+    twin.set_ylabel("training loss (nats/byte)")
+    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=FONT, loc="upper center",
+              bbox_to_anchor=(0.5, -0.16), frameon=False)
+    for ax in fig.axes:
+        ax.title.set_fontsize(9)
     return fig
 
 

@@ -32,12 +32,13 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from macroarch._progress import tqdm
 from macroarch._table import format_table
@@ -677,83 +678,116 @@ def ecc_table(eccs: list[Ecc]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- figures
+FONT = 8
+"""The smallest text of the figures, in points: 8 pt prints at 6.7 pt in an 8 in figure scaled to the report's page."""
+
+
+def _below(ax: plt.Axes, ncol: int = 1, offset: float = 0.16) -> None:
+    ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -offset), ncol=ncol, frameon=False)
+
+
 def plot_validation(v: Validation) -> Figure:
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
+    """The step-time model against this machine: each variant's fastest measured step and the model's prediction
+    per width; and the speed ratio both give (the quantity the post's speedups are), with the model's error."""
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(7.8, 4.4), layout="constrained")
     params = [p.params / 1e6 for p in v.points]
     for name, color in ((BASELINE, "C0"), (MACRO, "C3")):
         ax.plot(params, [p.measured[name] * 1e3 for p in v.points], "o", color=color, label=f"{name}, measured")
         ax.plot(params, [p.predicted[name] * 1e3 for p in v.points], "-", color=color, label=f"{name}, model")
     ax.set(xscale="log", yscale="log", xlabel="parameters (M)", ylabel="step time (ms)",
-           title=f"step time, {v.layers}-layer Llama, {v.batch_size}x{v.seq_len} tokens, {v.compute_dtype}\n"
-                 f"model error: max {v.max_error:.0%} (its bound {STEP_TIME_BOUND:.0%})")
-    ax.legend(fontsize=8)
-    bx.plot(params, [p.measured_ratio for p in v.points], "o", color="k", label="measured")
+           title=f"step time: {v.layers}-layer Llama, {v.batch_size}x{v.seq_len} tokens,\n{v.compute_dtype}; model "
+                 f"error max {v.max_error:.0%} (bound {STEP_TIME_BOUND:.0%})")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 1-2-5 ticks, labelled plainly ("20", not "2x10^1")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    _below(ax, ncol=2)
+    bx.plot(params, [p.measured_ratio for p in v.points], "o", color="k", label="measured (fastest steps)")
     bx.plot(params, [p.predicted_ratio for p in v.points], "-", color="k", label="model")
-    bx.axhline(1.0, color="grey", lw=0.8, ls=":")
-    bx.set(xscale="log", xlabel="parameters (M)", ylabel="speed of MVAS + DGR / baseline (x)",
-           title=f"speed ratio (model error: max {v.max_ratio_error:.0%})")
-    bx.legend(fontsize=8)
+    bx.axhline(1.0, color="grey", lw=0.8, ls=":", label="no effect")
+    bx.set(xscale="log", xlabel="parameters (M)", ylabel="speed, MVAS + DGR / baseline (x)",
+           title=f"speed ratio: model error max {v.max_ratio_error:.0%}")
+    _below(bx)
     for a in (ax, bx):  # log-axis minor labels collide ("3x10^0 4x10^0"): the sweep's sizes instead
         a.xaxis.set_minor_formatter(NullFormatter())
         a.set_xticks(params, [f"{x:.2g}" for x in params])
-    fig.tight_layout()
+        a.title.set_fontsize(9)
     return fig
 
 
-def plot_predictions(pred: Predictions, error: float) -> Figure:
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
-    for i, (name, (theo, ach)) in enumerate(hw.POST_SPEEDUPS.items()):
+def plot_predictions(pred: Predictions, error: float, targets: Sequence[Any]) -> Figure:
+    """Above: the modelled speedups per model size on the cards the post names (achieved with the model's error as a
+    band). Below: each card's best speedup over the ladder, theoretical and achieved, with the model's speed-ratio
+    error as error bars (modelled, not measured), and for the post's cards its numbers (black ticks) and the
+    regions that grade reproduced (green bands) from ``targets``: the registry's C11 targets, passed in by the
+    notebook (anything with ``metric``, ``lo`` and ``hi``)."""
+    by_metric = {t.metric: t for t in targets}
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(7.8, 9.0), layout="constrained")
+    for i, name in enumerate(hw.POST_SPEEDUPS):
         if name not in pred.cards:
             continue
         r, color = pred.cards[name], f"C{i}"
         sizes = list(r.plans)
         x = [parameter_count(LADDER[s]) / 1e9 for s in sizes]
         achieved = np.array([r.speedups("achieved")[s] for s in sizes])
-        ax.plot(x, [r.speedups("theoretical")[s] for s in sizes], "--", color=color, label=f"{name} theoretical")
-        ax.plot(x, achieved, "-o", color=color, ms=3, label=f"{name} achieved")
+        ax.plot(x, [r.speedups("theoretical")[s] for s in sizes], "--", color=color, label=f"{name}, theoretical")
+        ax.plot(x, achieved, "-o", color=color, ms=3, label=f"{name}, achieved (band: +-{error:.0%})")
         ax.fill_between(x, achieved * (1 - error), achieved * (1 + error), color=color, alpha=0.12)
-        ax.axhline(theo, color=color, ls=":", lw=0.8)
-        ax.axhline(ach, color=color, ls="-.", lw=0.8)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xscale="log", xlabel="model parameters (B)", ylabel="speedup over the baseline (modelled, x)",
-           title=f"model per size, {pred.world_size} cards (dotted: post theoretical, dash-dot: post achieved)")
+    ax.axhline(1.0, color="grey", lw=0.8, label="no speedup")
+    ax.set(xscale="log", xlabel="model parameters (B), Llama ladder", ylabel="speedup over the baseline (modelled, x)",
+           title=f"step-time model per model size, {pred.world_size} cards per node (a gap: the baseline does not fit)")
     ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on a log axis ("3x10^0 4x10^0")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0, -0.16), ncol=3)
+    _below(ax, ncol=2, offset=0.15)
     names = list(pred.cards)
     xs = np.arange(len(names))
+    width = 0.38
     for j, (reading, color) in enumerate((("theoretical", "C7"), ("achieved", "C2"))):
         values = [pred.cards[n].best(reading)[0] for n in names]
-        bx.bar(xs + (j - 0.5) * 0.38, values, 0.38, color=color, label=f"model, {reading}",
+        bx.bar(xs + (j - 0.5) * width, values, width, color=color, alpha=0.8, label=f"model, {reading} (+-{error:.0%})",
                yerr=[v * error for v in values], capsize=2)
+    post_label = band_label = None
     for k, n in enumerate(names):
-        if n in hw.POST_SPEEDUPS:
-            bx.plot([k - 0.38, k], [hw.POST_SPEEDUPS[n][0]] * 2, color="k", lw=2)
-            bx.plot([k, k + 0.38], [hw.POST_SPEEDUPS[n][1]] * 2, color="k", lw=2, ls="--")
+        if n not in hw.POST_SPEEDUPS:
+            continue
+        for j, (reading, value) in enumerate(zip(("theoretical", "achieved"), hw.POST_SPEEDUPS[n])):
+            left = k + (j - 1) * width
+            t = by_metric.get(f"{pred.cards[n].card.key}_{reading}_speedup")
+            if t is not None:
+                band_label = bx.fill_between([left, left + width], t.lo, t.hi, color="C2", alpha=0.25, lw=0,
+                                             label=None if band_label else "post +-10%: graded reproduced")
+            post_label = bx.plot([left, left + width], [value] * 2, color="k", lw=2,
+                                 label=None if post_label else "post's theoretical / achieved")
     bx.axhline(1.0, color="grey", lw=0.8)
-    bx.set_xticks(xs, [n.replace(" SXM", "\nSXM") for n in names], fontsize=7)
-    bx.set(ylabel="best speedup over the ladder (modelled, x)",
-           title=f"per card, bars +-{error:.0%} (the model's speed-ratio error)\n"
-                 "black: the post's theoretical / achieved")
-    bx.legend(fontsize=7)
-    fig.tight_layout()
+    bx.set_xticks(xs, [n.replace(" SXM", "\nSXM").replace(" PCIe", "\nPCIe") for n in names], fontsize=FONT)
+    bx.set(xlabel="card", ylabel="best speedup over the ladder (modelled, x)",
+           title="per card: modelled, not measured (bars: the model's speed-ratio error)")
+    _below(bx, ncol=2, offset=0.22)
+    for a in (ax, bx):
+        a.title.set_fontsize(9)
     return fig
 
 
 # ------------------------------------------------------------------------------------------- verdict texts
-def texts(v: Validation, pred: Predictions, eccs: list[Ecc], mach: Machine, *, profile: str) -> dict[str, str]:
-    """``scale``, ``measured_text`` and ``note`` for ``get_claim("C11").grade``."""
+def texts(v: Validation, pred: Predictions, eccs: list[Ecc], mach: Machine, *, profile: str,
+          bound: float = STEP_TIME_BOUND) -> dict[str, str]:
+    """``scale``, ``measured_text`` and ``note`` for ``get_claim("C11").grade``: each graded number as its
+    :meth:`Estimate.describe` (value, the model's error as its interval, how it was made, modelled or looked up)."""
     err = v.max_ratio_error
+    est = estimates(v, pred, eccs, bound)
+
+    def described(metric: str) -> str:
+        return est[metric].describe(3) if metric in est else "none (the baseline fits no model size)"
+
     parts = []
     for name, (theo, ach) in hw.POST_SPEEDUPS.items():
         if name in pred.cards:
-            r = pred.cards[name]
-            (t, _), (a, s) = r.best("theoretical"), r.best("achieved")
-            parts.append(f"{name.split(' SXM')[0]} {theo}x/{ach}x -> {t:.2f}x/{a:.2f}x (+-{err:.0%}, best at {s})")
+            key, size = pred.cards[name].card.key, pred.cards[name].best("achieved")[1]
+            parts.append(f"{name.split(' SXM')[0]} (post {theo}x / {ach}x; best at {size}): theoretical "
+                         f"{described(f'{key}_theoretical_speedup')}, achieved {described(f'{key}_achieved_speedup')}")
     consumer = [e for e in eccs if e.card in hw.CONSUMER]
     ecc = "; ".join(f"{e.card}: {e.state.split(':')[0].split(';')[0]}" for e in consumer)
-    measured = (f"predicted by the step-time model (modelled, not measured; {model_check(v)}, speed-ratio error "
-                f"{err:.0%}): " + "; ".join(parts)
-                + f"; ECC on consumer cards (looked up, as shipped): {ecc}")
+    measured = ("predicted by the step-time model, not measured: " + "; ".join(parts)
+                + (f"; disabling ECC on consumer cards {est['ecc_disable_speedup'].describe(3)} ({ecc})"
+                   if "ecc_disable_speedup" in est else ""))
     gpu = mach.info.get("gpu")
     scale = (f"step-time model from published specs: {pred.world_size}-card node, {pred.global_batch} x "
              f"{pred.seq_len} tokens per step, Llama {next(iter(LADDER))}-{list(LADDER)[-1]}, matmul efficiency "

@@ -13,7 +13,8 @@ Both train a small GPT-2-style decoder on the byte corpus through the project's 
 - :func:`loss_scaling_run`: fp32 weights, fp16 autocast (what ``GradScaler`` is made for), with no loss scale,
   GradScaler, or the post's rule (``NormGradScaler``). Overflows are skipped updates; underflow is probed every
   ``probe_every`` updates against an fp32 backward at the same weights and batch. :func:`scaling_sweep` runs the
-  three per seed; :func:`scaling_estimates` the GradScaler / rule loss ratio, a t interval over seeds.
+  three per seed; :func:`scaling_estimates` the GradScaler / rule loss ratio per seed, its geometric mean with a t
+  interval on the logs over seeds (a ratio's spread is multiplicative).
 
 Seeds are paired: seed i gives every run the same initial weights (rounded to the run's dtype) and batch order, and
 every run is evaluated on the same held-out batches.
@@ -42,7 +43,7 @@ from macroarch.data import ensure_corpus, eval_batches, lm_batches, load_corpus
 from macroarch.experiments.loop import Batch, RunResult, evaluate_lm, train_lm
 from macroarch.experiments.settings import Settings
 from macroarch.measure.machine import describe, machine_info
-from macroarch.measure.stats import Estimate, Repeated, mean_interval, paired_difference
+from macroarch.measure.stats import Estimate, Repeated, geomean_interval, paired_difference
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
 from macroarch.optim import AUTO_MASTER_MIN_ACCUMULATION, CompensatedAdamW
@@ -491,10 +492,16 @@ def scale_ratios(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> np.n
                      for seed in s.seeds])
 
 
+def scale_repeated(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> Repeated:
+    """The per-seed loss ratios (:func:`scale_ratios`) and the build of the graded estimate from them: their geometric
+    mean, a t interval on their logs over seeds (``stats.geomean_interval``)."""
+    return Repeated(geomean_interval, (tuple(scale_ratios(s, scaling)),), "seeds",
+                    {"unit": "x", "method": "t interval over paired seeds"})
+
+
 def scaling_estimates(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> dict[str, Estimate]:
-    """``scale_rule_vs_gradscaler``: the per-seed loss ratio (:func:`scale_ratios`), a t interval over seeds."""
-    return {"scale_rule_vs_gradscaler": mean_interval(scale_ratios(s, scaling), unit="x",
-                                                      method="t interval over paired seeds")}
+    """``scale_rule_vs_gradscaler``: GradScaler's loss / the rule's, per seed; geometric mean, t interval on logs."""
+    return {"scale_rule_vs_gradscaler": scale_repeated(s, scaling).estimate()}
 
 
 def scaling_metrics(s: Setup, scaling: Mapping[tuple[str, int], RunResult]) -> dict[str, float]:
@@ -526,8 +533,7 @@ def repeated(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int
     """The graded estimates' raw per-seed data and builds, for ``claims.regrade_leaving_out``."""
     high, low = _split_k(s.settings.accumulation)
     graded = graded_dtype(s.settings.dtypes)
-    out = {"scale_rule_vs_gradscaler": Repeated(mean_interval, (tuple(scale_ratios(s, scaling)),), "seeds",
-                                                {"unit": "x", "method": "t interval over paired seeds"})}
+    out = {"scale_rule_vs_gradscaler": scale_repeated(s, scaling)}
     for name, ks in (("master_copy_loss_gain", high), ("master_copy_loss_gain_below_4", low)):
         if ks:
             out[name] = Repeated(paired_difference, (tuple(_mean_over_k(s, sweep, graded, True, ks)),
@@ -550,32 +556,62 @@ def rows(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], R
     return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()} for row in out]
 
 
-def _target(metric: str):
-    from macroarch.repro.claims import get_claim  # the registry's target, drawn as graded
-
-    return get_claim("C8").target_for(metric)
+FONT = 8
+"""The smallest text of the figure, in points: 8 pt prints at 6.7 pt in an 8 in figure scaled to the report's page."""
 
 
-def _below(ax: plt.Axes, ncol: int = 1) -> None:
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol)
+def _below(ax: plt.Axes, ncol: int = 1, offset: float = 0.2) -> None:
+    ax.legend(fontsize=FONT, loc="upper center", bbox_to_anchor=(0.5, -offset), ncol=ncol, frameon=False)
 
 
-def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], RunResult]) -> Figure:
-    """The graded master-copy gain against k with its intervals and targets (a configuration whose runs diverged
-    is marked at the top, off the scale, not plotted as a gain); held-out loss and lost updates against k
-    (diverged runs marked, not charged); the graded loss ratio with its interval; the loss scale over training."""
+def _mark_diverged(ax: plt.Axes, bad: Mapping[tuple[str, str], Sequence[int]], y: float, marker: str) -> None:
+    """A marker at height ``y`` (inside the axes) at each k of ``bad[(colour, label)]``, in the colour of the
+    series it stands for, named in the legend once."""
+    for (color, label), ks in bad.items():
+        if ks:
+            ax.plot(ks, [y] * len(ks), marker, color=color, ms=8, mew=2, ls="none", label=label)
+
+
+def _room_above(values: Sequence[float], strip: bool) -> tuple[float, float, float]:
+    """``(bottom, top, y)``: limits that hold ``values`` with a margin, and, where ``strip``, a strip above them for
+    the diverged runs' markers, whose height ``y`` is returned (the data never reach it)."""
+    low, high = min(values), max(values)
+    pad = 0.15 * ((high - low) or 0.01)
+    bottom, top = low - pad, high + pad
+    if not strip:
+        return bottom, top, top
+    strip_height = 0.25 * (top - bottom)
+    return bottom, top + strip_height, top + strip_height / 2
+
+
+def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], RunResult], *, gain_target: Any,
+         below_4_target: Any, scale_target: Any) -> Figure:
+    """C8 in five panels (2 columns): the graded master-copy gain against k with its intervals and the post's
+    targets (a configuration whose runs diverged is marked in a strip at the top, not plotted as a gain); the graded
+    GradScaler / rule loss ratio per seed with its interval and the post's margin; held-out loss and lost updates
+    against k (diverged runs marked, not charged); the loss scale over training. The targets are the registry's,
+    passed in by the notebook (``gain_target``: ``master_copy_loss_gain``, ``below_4_target``:
+    ``master_copy_loss_gain_below_4``, ``scale_target``: ``scale_rule_vs_gradscaler``; anything with their
+    ``lo``, ``hi`` and ``no_effect``)."""
     p, seeds = s.settings, s.seeds
     accumulation, n = p.accumulation, len(seeds)
-    fig, axes = plt.subplots(1, 5, figsize=(25, 5.4))
+    color = {dtype: f"C{j}" for j, dtype in enumerate(p.dtypes)}
+    fig = plt.figure(figsize=(7.8, 10.5), layout="constrained")
+    grid = fig.add_gridspec(3, 2, height_ratios=(1, 1, 0.7))
+    gain_ax, ratio_ax = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    loss_ax, lost_ax = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    scale_ax = fig.add_subplot(grid[2, :])
+    kmin, kmax = min(accumulation) / 1.5, max(accumulation) * 1.5
 
-    ax = axes[0]
-    finite: list[float] = []
-    off_scale = []
+    ax = gain_ax
+    finite = [gain_target.lo, below_4_target.lo, below_4_target.hi, 0.0]
+    off_scale: dict[tuple[str, str], list[int]] = {}
     for j, dtype in enumerate(p.dtypes):
         xs, values, lows, highs = [], [], [], []
+        bad = off_scale.setdefault((color[dtype], f"{dtype}: runs diverged (no gain to plot)"), [])
         for k in accumulation:
             if diverged(s, sweep, dtype, False, k) or diverged(s, sweep, dtype, True, k):
-                off_scale.append((dtype, k))
+                bad.append(k)
                 continue
             e = gain(s, sweep, dtype, [k])
             lo, hi = (e.low, e.high) if e.has_interval else (e.value, e.value)
@@ -585,95 +621,87 @@ def plot(s: Setup, sweep: AccumulationSweep, scaling: Mapping[tuple[str, int], R
             highs.append(hi - e.value)
             finite += [lo, hi]
         if xs:
-            ax.errorbar(xs, values, yerr=[lows, highs], fmt="o-", ms=5, capsize=3, color=f"C{j}",
+            ax.errorbar(xs, values, yerr=[lows, highs], fmt="o-", ms=5, capsize=3, color=color[dtype],
                         label=f"{dtype}: gain, {n} paired seeds, 90% t interval")
-    low_t, high_t = _target("master_copy_loss_gain_below_4"), _target("master_copy_loss_gain")
-    finite += [high_t.lo, low_t.lo, low_t.hi, 0.0]
-    pad = 0.15 * (max(finite) - min(finite))
-    bottom, top = min(finite) - pad, max(finite) + pad
-    kmax = max(accumulation) * 1.5
-    ax.fill_between([AUTO_MASTER_MIN_ACCUMULATION, kmax], high_t.lo, top, color="C2", alpha=0.1,
-                    label=f"post, k >= 4: gain >= {high_t.lo:g} nats")
-    ax.fill_between([min(accumulation) / 1.5, AUTO_MASTER_MIN_ACCUMULATION], low_t.lo, low_t.hi, color="C2",
-                    alpha=0.2, label=f"post, k < 4: gain within ±{low_t.hi:g} nats")
+    bottom, top, marker_y = _room_above(finite, any(off_scale.values()))
+    ax.fill_between([AUTO_MASTER_MIN_ACCUMULATION, kmax], gain_target.lo, top, color="C2", alpha=0.1,
+                    label=f"post, k >= 4: gain >= {gain_target.lo:g} nats")
+    ax.fill_between([kmin, AUTO_MASTER_MIN_ACCUMULATION], below_4_target.lo, below_4_target.hi, color="C2",
+                    alpha=0.2, label=f"post, k < 4: gain within ±{below_4_target.hi:g} nats")
     ax.axhline(0, color="0.3", lw=0.6)
     ax.axvline(AUTO_MASTER_MIN_ACCUMULATION, color="grey", lw=0.6)
-    for dtype, k in off_scale:
-        ax.plot([k], [top], "^", color=f"C{p.dtypes.index(dtype)}", ms=9, clip_on=False)
-        ax.annotate(f"{dtype}: diverged", (k, top), textcoords="offset points", xytext=(0, -14), ha="center",
-                    fontsize=7, color=f"C{p.dtypes.index(dtype)}")
-    if off_scale:
-        ax.plot([], [], "^", color="0.3", label="runs diverged (marked, off the scale)")
-    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlim=(min(accumulation) / 1.5, kmax),
-           ylim=(bottom, top), xlabel="accumulation steps k (same tokens/update)",
-           ylabel="loss gain of the master copy (nats/byte)", title="graded: no-master minus master loss")
+    _mark_diverged(ax, off_scale, marker_y, "^")
+    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlim=(kmin, kmax), ylim=(bottom, top),
+           xlabel="accumulation steps k (same tokens/update)", ylabel="master copy's loss gain (nats/byte)",
+           title="graded: loss without - with master")
     _below(ax)
 
-    ax = axes[1]
+    ax = ratio_ax
+    e, ratios = scaling_estimates(s, scaling)["scale_rule_vs_gradscaler"], scale_ratios(s, scaling)
+    rng = np.random.default_rng(0)
+    ax.scatter(rng.uniform(-0.12, 0.12, n), ratios, s=20, color="C3", alpha=0.5, lw=0, label=f"per seed (n={n})")
+    lo, hi = (e.low, e.high) if e.has_interval else (e.value, e.value)
+    ax.errorbar([0.35], [e.value], yerr=[[e.value - lo], [hi - e.value]], fmt="D", color="k", ms=6, capsize=6,
+                label="geometric mean, 90% t interval" if e.has_interval else "geometric mean (no interval)")
+    band = scale_target.no_effect
+    span = [*ratios, lo, hi, *band]
+    pad = 0.15 * (max(span) - min(span))
+    ax.axhspan(*band, color="0.5", alpha=0.15, label=f"no effect: {band[0]:g}-{band[1]:g}")
+    ax.axhspan(scale_target.lo, max(span) + pad, color="C2", alpha=0.08,
+               label=f"post: >= {scale_target.lo:g} (no worse than GradScaler)")
+    ax.set(xlim=(-0.5, 0.8), ylim=(min(span) - pad, max(span) + pad), xticks=[],
+           xlabel="paired seeds (jittered), estimate", ylabel="held-out loss, GradScaler / rule (x)",
+           title="graded: scale rule vs GradScaler")
+    _below(ax, offset=0.1)
+
+    ax = loss_ax
     shown: list[float] = []
-    for j, dtype in enumerate(p.dtypes):
+    bad_runs: dict[tuple[str, str], list[int]] = {}
+    for dtype in p.dtypes:
         for master, style in ((False, "o--"), (True, "s-")):
-            values = [float(np.mean([sweep.results[run_name(dtype, master, k), seed].eval_loss for seed in seeds]))
-                      if not diverged(s, sweep, dtype, master, k) else np.nan for k in accumulation]
+            name = f"{dtype}, master {'on' if master else 'off'}"
+            bad_runs[color[dtype], f"{name}: diverged"] = [k for k in accumulation
+                                                           if diverged(s, sweep, dtype, master, k)]
+            values = [np.nan if diverged(s, sweep, dtype, master, k) else float(np.mean(
+                [sweep.results[run_name(dtype, master, k), seed].eval_loss for seed in seeds])) for k in accumulation]
             shown += [v for v in values if math.isfinite(v)]
-            if any(math.isfinite(v) for v in values):  # every run diverged: only the markers below
-                ax.plot(accumulation, values, style, ms=4, color=f"C{j}", alpha=1.0 if master else 0.6,
-                        label=f"{dtype}, master {'on' if master else 'off'}")
+            if any(math.isfinite(v) for v in values):  # every run diverged: only the markers
+                ax.plot(accumulation, values, style, ms=4, color=color[dtype], alpha=1.0 if master else 0.6,
+                        label=name)
     ref = float(np.mean([sweep.reference[seed].eval_loss for seed in seeds]))
     ax.axhline(ref, color="k", lw=0.8, ls=":", label="fp32 reference")
-    shown.append(ref)
-    pad = 0.15 * (max(shown) - min(shown) or 0.01)
-    top = max(shown) + pad
-    for j, dtype in enumerate(p.dtypes):
-        for master in (False, True):
-            bad = [k for k in accumulation if diverged(s, sweep, dtype, master, k)]
-            if bad:
-                ax.plot(bad, [top] * len(bad), "x", color=f"C{j}", ms=9, mew=2, clip_on=False,
-                        label=f"{dtype}, master {'on' if master else 'off'}: diverged (marked, not charged)")
-    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, ylim=(min(shown) - pad, top),
+    bottom, top, marker_y = _room_above([*shown, ref], any(bad_runs.values()))
+    _mark_diverged(ax, bad_runs, marker_y, "x")
+    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlim=(kmin, kmax), ylim=(bottom, top),
            xlabel="accumulation steps k", ylabel=f"held-out loss (nats/byte), mean of {n} seeds",
-           title="final loss vs accumulation")
-    _below(ax, 2)
+           title="final loss (diverged: marked, not charged)")
+    _below(ax)
 
-    ax = axes[2]
-    for j, dtype in enumerate(p.dtypes):
+    ax = lost_ax
+    for dtype in p.dtypes:
         for master, style in ((False, "o--"), (True, "s-")):
             values = [np.nan if diverged(s, sweep, dtype, master, k) else float(np.mean(
                 [sweep.results[run_name(dtype, master, k), seed].metrics["lost_update_fraction"] for seed in seeds]))
                 for k in accumulation]
             if any(math.isfinite(v) for v in values):
-                ax.plot(accumulation, values, style, ms=4, color=f"C{j}", alpha=1.0 if master else 0.6,
+                ax.plot(accumulation, values, style, ms=4, color=color[dtype], alpha=1.0 if master else 0.6,
                         label=f"{dtype}, master {'on' if master else 'off'}")
-    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlabel="accumulation steps k",
-           ylabel="fraction of due updates lost", title="updates that rounded to zero (diverged: gap)")
-    _below(ax, 2)
-
-    ax = axes[3]
-    e, ratios, t = scaling_estimates(s, scaling)["scale_rule_vs_gradscaler"], scale_ratios(s, scaling), \
-        _target("scale_rule_vs_gradscaler")
-    rng = np.random.default_rng(0)
-    ax.scatter(rng.uniform(-0.12, 0.12, n), ratios, s=20, color="C3", alpha=0.5, lw=0, label=f"per seed (n={n})")
-    lo, hi = (e.low, e.high) if e.has_interval else (e.value, e.value)
-    ax.errorbar([0.35], [e.value], yerr=[[e.value - lo], [hi - e.value]], fmt="D", color="k", ms=6, capsize=6,
-                label="mean, 90% t interval" if e.has_interval else "mean (no interval)")
-    span = [*ratios, lo, hi, *t.no_effect]
-    pad = 0.15 * (max(span) - min(span))
-    ax.axhspan(*t.no_effect, color="0.5", alpha=0.15, label=f"no effect: {t.no_effect[0]:g}-{t.no_effect[1]:g}")
-    ax.axhspan(t.lo, max(span) + pad, color="C2", alpha=0.08, label=f"post: >= {t.lo:g} (no worse than GradScaler)")
-    ax.set(xlim=(-0.5, 0.8), ylim=(min(span) - pad, max(span) + pad), xticks=[],
-           ylabel="held-out loss ratio GradScaler / rule (x)", title="graded: scale rule vs GradScaler")
+    ax.set(xscale="log", xticks=accumulation, xticklabels=accumulation, xlim=(kmin, kmax),
+           xlabel="accumulation steps k", ylabel="share of due updates lost",
+           title="updates that rounded to zero (diverged: gap)")
     _below(ax)
 
-    ax = axes[4]
+    ax = scale_ax
     for method in SCALING_METHODS:
         r = scaling[method, seeds[0]]
         ax.semilogy(r.series["scale"], lw=0.9, label=f"{method}: {r.metrics['overflow_steps']} overflows, "
                     f"underflow {r.metrics['underflow_fraction']:.1e}")
-    ax.set(xlabel="update", ylabel="loss scale", title=f"fp16 autocast: scale over training (seed {seeds[0]})")
-    _below(ax)
-    for ax in axes[:3]:
+    ax.set(xlabel="update", ylabel="loss scale", title=f"fp16 autocast: loss scale over training (seed {seeds[0]})")
+    _below(ax, ncol=2, offset=0.3)
+    for ax in (gain_ax, loss_ax, lost_ax):
         ax.xaxis.set_minor_formatter(plt.NullFormatter())  # log axes: only the grid's own tick labels
-    fig.tight_layout()
+    for ax in fig.axes:
+        ax.title.set_fontsize(9)
     return fig
 
 

@@ -17,6 +17,7 @@ from macroarch.experiments.loop import evaluate_lm
 from macroarch.measure.stats import MIN_BOOTSTRAP_N
 from macroarch.optim import MasterWeightAdamW, warmup_cosine
 from macroarch.repro.claims import INCONCLUSIVE, REPRODUCED, get_claim, regrade_leaving_out
+from macroarch.repro.figures import figure_problems
 
 
 class Scripted(nn.Module):
@@ -186,15 +187,15 @@ def _fake_result(loss, stack, seed, diverged=False):
                         {"spike_triggers": 2 if stack == "macro" and seed == 0 else 0, "min_lr_factor": 1.0})
 
 
-def _synthetic_sweep(centers, seeds=8, diverge=(), usual_offset=0.0):
+def _synthetic_sweep(centers, seeds=8, diverge=(), usual_offset=0.0, mults=MULTS, **settings):
     """A sweep whose held-out loss is an exact parabola in log LR, centred per stack, plus a per-seed offset (which
     cancels in every paired difference and in the seed-mean curve's argmin); the usual warmup's runs are
     ``usual_offset`` worse."""
-    settings = _settings(seeds)
-    sw = cr.Sweep(settings, list(range(seeds)), 1000, initial_loss=9.0, multipliers=list(MULTS))
+    settings = _settings(seeds, lr_multipliers=mults, **settings)
+    sw = cr.Sweep(settings, list(range(seeds)), 1000, initial_loss=9.0, multipliers=list(mults))
     for stack, c in centers.items():
         for s in range(seeds):
-            for m in MULTS:
+            for m in mults:
                 loss = 3.0 + (math.log(m) - math.log(c)) ** 2 + 0.01 * s
                 sw.results[stack, m, 1.3, s] = _fake_result(loss, stack, s, (stack, m, 1.3, s) in diverge)
             for m in settings.warmup_multipliers:
@@ -225,6 +226,55 @@ def test_analyse_counts_a_graded_optimum_at_the_edge_and_the_grade_is_inconclusi
     assert a.edges == ["plain"] and a.metrics["optimum_at_grid_edge"] == 1 and a.optimum["plain"] == 0.5
     verdict = get_claim("C10").grade({**a.metrics, **a.estimates}, scale="t")
     assert verdict.grade == INCONCLUSIVE and "edge" in verdict.note
+
+
+@pytest.mark.parametrize("centers, sides", [({"plain": 0.3, "macro": 1.3}, {"plain": -1}),
+                                            ({"plain": 1.0, "macro": 4.0}, {"macro": 1}),
+                                            ({"plain": 0.3, "macro": 4.0}, {"plain": -1, "macro": 1})])
+def test_a_vertex_outside_the_grid_is_reported_at_the_edge_found_by_index(centers, sides):
+    # issue 42: plain's optimum sat at the grid's lower edge, but the check compared the optimum with the grid's
+    # values and said 0. Here the true vertex lies past the first (0.3 < 0.5) or last (4.0 > 2.5) grid point: a
+    # parabola through the three points nearest the edge would put its vertex off the grid, and the optimum must be
+    # that edge's grid point, flagged by its index, on the side it falls.
+    sw = _synthetic_sweep(centers)
+    a = cr.analyse(sw)
+    assert cr.edge_sides(sw) == sides
+    assert sorted(a.edges) == sorted(sides) and a.metrics["optimum_at_grid_edge"] == len(sides)
+    for stack, side in sides.items():
+        edge = slice(0, 3) if side < 0 else slice(-3, None)  # a parabola through the three points at that edge
+        fit = np.polyfit(np.log(MULTS[edge]), np.asarray(a.means[stack])[edge], 2)
+        vertex = math.exp(-fit[1] / (2 * fit[0]))
+        assert vertex == pytest.approx(centers[stack]) and (vertex < MULTS[0] if side < 0 else vertex > MULTS[-1])
+        assert a.optimum[stack] == (MULTS[0] if side < 0 else MULTS[-1])
+        assert cr.mean_curve_optimum(MULTS, sw.table(stack))[1] == (0 if side < 0 else len(MULTS) - 1)
+    assert get_claim("C10").grade({**a.metrics, **a.estimates}, scale="t").grade == INCONCLUSIVE
+
+
+def test_an_optimum_strictly_inside_the_grid_is_not_flagged_even_next_to_an_edge():
+    # plain's vertex 0.6 lies between the first two grid points (its lowest point is 0.7, index 1), macro's 2.0
+    # between the last two (lowest point 1.8, index 4): both bracketed, neither at the edge.
+    sw = _synthetic_sweep({"plain": 0.6, "macro": 2.0})
+    a = cr.analyse(sw)
+    assert a.optimum["plain"] == pytest.approx(0.6) and a.optimum["macro"] == pytest.approx(2.0)
+    assert [cr.mean_curve_optimum(MULTS, sw.table(s))[1] for s in ("plain", "macro")] == [1, 4]
+    assert a.edges == [] and cr.edge_sides(sw) == {} and a.metrics["optimum_at_grid_edge"] == 0
+    assert a.estimates["best_lr_multiplier"].value == pytest.approx(2.0 / 0.6)
+
+
+def test_the_recipe_point_is_the_settings_multiplier_never_a_nearest_pick():
+    # issue 42: the recipe point was min(mults, key=lambda x: abs(x - 1.35)), and with 1.2 and 1.5 in the grid a
+    # floating-point tie picked 1.5. The settings now refuse a grid without the recipe multiplier, and the gain is
+    # taken at exactly that grid point.
+    assert abs(1.5 - 1.35) < abs(1.2 - 1.35)  # the tie the old search broke by rounding
+    with pytest.raises(ValueError, match="lr_multipliers.*recipe_multiplier 1.35"):
+        _settings(2, lr_multipliers=(0.5, 1.0, 1.2, 1.5, 2.0))  # 1.2 and 1.5, no 1.35
+    grid = (0.5, 1.0, 1.2, 1.5, 2.0)
+    for recipe in (1.2, 1.5):
+        sw = _synthetic_sweep({"plain": 1.0, "macro": 1.3}, mults=grid, recipe_multiplier=recipe)
+        at = {m: 3.0 + (math.log(m) - math.log(1.3)) ** 2 for m in grid}
+        usual = at[1.0]  # macro at 1x with the usual warmup (usual_offset 0)
+        assert cr.analyse(sw).estimates["recipe_loss_gain"].value == pytest.approx(usual - at[recipe])
+    assert at[1.2] != at[1.5]  # the two candidates give different gains: picking the wrong one would show
 
 
 def test_the_grid_grows_past_an_edge_until_it_brackets_the_optimum(monkeypatch):
@@ -289,8 +339,11 @@ def test_plot_and_texts_render(tmp_path):
     for k in list(sw.results):
         sw.results[k].series["lr"] = [1e-3, 5e-4]
     a = cr.analyse(sw)
-    fig = cr.plot(sw, a)
+    target = get_claim("C10").target_for("best_lr_multiplier")
+    fig = cr.plot(sw, a, target)
     fig.savefig(tmp_path / "c10.png")
+    # issue 44: a 21-inch row of four panels printed its text at 2 pt in the report
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 8
     panels, twin = fig.axes[:4], fig.axes[4]  # the spike-guard panel's loss axis shares its x axis
     assert all(ax.get_xlabel() and ax.get_ylabel() for ax in panels) and twin.get_ylabel()
     renderer = fig.canvas.get_renderer()
@@ -298,13 +351,26 @@ def test_plot_and_texts_render(tmp_path):
         legend, label = ax.get_legend(), ax.xaxis.label.get_window_extent(renderer)
         ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
         assert legend is not None and legend.get_window_extent(renderer).y1 <= min([label.y0, *(t.y0 for t in ticks)])
-    shift = panels[1]  # the graded shift's axis holds the post's band, the estimate and its interval
+    shift = panels[1]  # the graded shift's axis holds the post's band (the registry's), the estimate and its interval
     e = a.estimates["best_lr_multiplier"]
     low, high = shift.get_ylim()
-    assert low <= 1.2 and high >= 1.5 and low <= e.low <= e.high <= high
+    assert low <= target.lo and high >= target.hi and low <= e.low <= e.high <= high
+    band = next(r for r in shift.patches if "post" in r.get_label())
+    assert (band.get_y(), band.get_y() + band.get_height()) == (pytest.approx(target.lo), pytest.approx(target.hi))
     texts = cr.verdict_texts(sw, a)
-    assert "1.3" in texts["measured_text"] and "paired seeds" in texts["scale"]
+    assert e.describe(3) in texts["measured_text"] and "paired seeds" in texts["scale"]
     assert "best_lr_multiplier" in cr.text(sw, a)
+
+
+def test_the_harness_does_not_import_the_reproduction_layer():
+    # issue 41: the figure drew its target from macroarch.repro.claims; the notebook passes it now.
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cr))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.startswith("macroarch.repro")]
 
 
 def test_settings_name_the_field_that_is_wrong():

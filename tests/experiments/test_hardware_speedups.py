@@ -5,11 +5,13 @@ import math
 
 import pytest
 import torch
+from matplotlib.collections import PolyCollection
 
 from macroarch.experiments import hardware_speedups as hs
 from macroarch.measure.stats import Estimate
 from macroarch.measure.step_time import FUSED_BASELINE, Efficiency
 from macroarch.repro.claims import get_claim
+from macroarch.repro.figures import figure_problems
 from macroarch.repro.notebook import notebook_parameters
 
 
@@ -118,12 +120,53 @@ def test_c11_estimates_are_modelled_and_looked_up_and_a_measured_speedup_would_b
 
 
 def test_the_validation_figure_says_what_its_axes_hold():
-    import matplotlib
-
-    matplotlib.use("Agg")
+    # issue 44: "seconds per step (ms)"; 12 inches wide with a legend over the model's line
     fig = hs.plot_validation(_validation_stub())
     assert fig.axes[0].get_ylabel() == "step time (ms)" and all(ax.get_xlabel() and ax.get_ylabel()
                                                                   for ax in fig.axes)
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 8
+
+
+def test_the_prediction_figure_draws_the_registry_targets_and_the_model_error(traced):
+    # issue 44: 13 inches wide (text at 3.7 pt in the report), the card axis unlabelled, no graded region drawn
+    _, t = traced
+    cards = ["V100 SXM2 32GB", "A100 SXM4 80GB", "RTX 3090", "RTX 4090"]
+    pred = hs.predict_cards(cards, ["1.3B", "7B", "33B"], t, eff=Efficiency(0.7, 0.8, 0.8), seq_len=2048,
+                            global_batch=512, world_size=8, reserve=0.1)
+    targets = get_claim("C11").targets
+    fig = hs.plot_predictions(pred, 0.3, targets)
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 8
+    bars = fig.axes[1]
+    assert bars.get_xlabel() == "card"
+    bands = sorted((p.vertices[:, 1].min(), p.vertices[:, 1].max()) for c in bars.collections
+                   if isinstance(c, PolyCollection) for p in c.get_paths())
+    graded = sorted((x.lo, x.hi) for x in targets if x.metric.split("_")[0] in hs.CARD_KEYS)
+    assert bands == [(pytest.approx(lo), pytest.approx(hi)) for lo, hi in graded]
+    caps = [line for line in bars.lines if line.get_marker() == "_"]  # error bars: the model's error, both ways
+    values = [pred.cards[n].best("theoretical")[0] for n in cards]
+    assert {round(y, 6) for line in caps for y in line.get_ydata()} >= {round(v * 1.3, 6) for v in values}
+
+
+def test_the_verdict_text_describes_every_graded_prediction(traced):
+    mach, t = traced
+    pred = hs.predict_cards(["A100 SXM4 80GB", "V100 SXM2 32GB", "RTX 3090", "RTX 4090"], ["1.3B", "7B"], t,
+                            eff=Efficiency(0.7, 0.8, 0.8), seq_len=2048, global_batch=512, world_size=8, reserve=0.1)
+    v, eccs = _validation_stub(), hs.ecc_effects(pred)
+    text = hs.texts(v, pred, eccs, mach, profile="ci", bound=0.6)["measured_text"]
+    est = hs.estimates(v, pred, eccs, 0.6)
+    for target in get_claim("C11").targets:
+        assert est[target.metric].describe(3) in text, target.metric
+    assert "modelled" in text and "looked up" in text
+
+
+def test_the_harness_does_not_import_the_reproduction_layer():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(hs))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.startswith("macroarch.repro")]
 
 
 def test_the_fair_baseline_follows_the_compute_dtype():

@@ -11,6 +11,7 @@ from model_zoo import alphabet_batches, tiny_gpt
 
 from macroarch.experiments import mixed_precision as mp
 from macroarch.repro.claims import GRADES, get_claim, regrade_leaving_out
+from macroarch.repro.figures import figure_problems
 
 
 def test_accumulation_counts_see_the_same_tokens_per_update():
@@ -157,11 +158,18 @@ def _scaling(ratios):
     return runs
 
 
-def test_scale_rule_ratio_is_a_t_interval_over_seeds():
+def test_scale_rule_ratio_is_a_geometric_mean_with_a_t_interval_on_logs():
+    # A ratio's spread is multiplicative: the interval is a t interval on log ratios (scipy here), mapped back.
+    from scipy import stats
+
     s = _setup()
-    ratios = [1.1, 1.08, 1.12, 1.1]
+    ratios = [1.1, 1.08, 1.12, 1.3]
     e = mp.scaling_estimates(s, _scaling(ratios))["scale_rule_vs_gradscaler"]
-    assert e.value == pytest.approx(np.mean(ratios)) and e.n == len(SEEDS) and e.low < e.value < e.high
+    logs = np.log(ratios)
+    ci = stats.ttest_1samp(logs, 0.0).confidence_interval(confidence_level=0.9)
+    assert e.value == pytest.approx(math.exp(logs.mean())) and e.value < np.mean(ratios)
+    assert (e.low, e.high) == (pytest.approx(math.exp(ci.low)), pytest.approx(math.exp(ci.high)))
+    assert e.n == len(SEEDS) and e.log_scale and e.unit == "x" and "on logs" in e.method
     assert mp.scaling_metrics(s, _scaling(ratios))["gradscaler_eval_loss"] == pytest.approx(3.0 * np.mean(ratios))
 
 
@@ -186,12 +194,57 @@ def test_paired_seeds_share_initial_weights_and_batches():
     assert all(torch.equal(x.to(torch.bfloat16), y) for x, y in zip(fp32.parameters(), a.parameters()))
 
 
-def test_the_figure_marks_diverged_runs_and_scales_to_the_graded_gain(tmp_path):
+C8 = get_claim("C8")
+TARGETS = dict(gain_target=C8.target_for("master_copy_loss_gain"),
+               below_4_target=C8.target_for("master_copy_loss_gain_below_4"),
+               scale_target=C8.target_for("scale_rule_vs_gradscaler"))
+
+
+def test_the_figure_marks_diverged_runs_inside_the_axes_and_scales_to_the_graded_gain(tmp_path):
+    # issue 44 and an audit: a 25-inch row of five panels printed at 1.9 pt; the diverged runs' triangles sat half
+    # outside the axes on the top spine, the legend's triangle was grey where the markers were coloured, the k = 4
+    # line cut through the "fp16: diverged" text, and the scale-rule panel had no x label.
     s = _setup()
-    fig = mp.plot(s, _accumulation([0.05, 0.04, 0.06, 0.05], [0.01, -0.01, 0.0, 0.005]), _scaling([1.0] * 4))
+    fig = mp.plot(s, _accumulation([0.05, 0.04, 0.06, 0.05], [0.01, -0.01, 0.0, 0.005]), _scaling([1.0] * 4),
+                  **TARGETS)
     fig.savefig(tmp_path / "c8.png")
-    gain_axis = fig.axes[0]
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 8
+    gain_axis, ratio_axis, loss_axis = fig.axes[:3]
     low, high = gain_axis.get_ylim()
     assert high - low < 0.2  # the 0.05-nat gain is visible: the diverged fp16 runs (a 3-nat "gain") are not plotted
-    assert any("diverged" in t.get_text() for t in gain_axis.texts)
-    assert all(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes if ax.get_xticks().size)
+    for ax in (gain_axis, loss_axis):
+        markers = [line for line in ax.lines if "diverged" in line.get_label()]
+        assert markers and not ax.texts
+        bottom, top = ax.get_ylim()
+        for line in markers:  # inside the axes, wholly, and clipped to them
+            assert all(bottom < y < top for y in line.get_ydata()) and line.get_clip_on()
+            y_px = ax.transData.transform((1, line.get_ydata()[0]))[1]
+            assert y_px + line.get_markersize() <= ax.get_window_extent().y1
+        handles = {t.get_text(): h for t, h in zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)}
+        for line in markers:  # the legend's marker is the plotted one, in its colour
+            assert handles[line.get_label()].get_color() == line.get_color() == "C1"
+    assert ratio_axis.get_xlabel() and all(ax.get_xlabel() and ax.get_ylabel() for ax in fig.axes)
+    # the targets drawn are the registry's: the post's k >= 4 band starts at its lo
+    bands = [c for c in gain_axis.collections if "k >= 4" in c.get_label()]
+    assert bands and bands[0].get_paths()[0].vertices[:, 1].min() == pytest.approx(TARGETS["gain_target"].lo)
+
+
+def test_the_verdict_text_carries_every_graded_number_with_its_interval():
+    s = _setup()
+    sweep, scaling = _accumulation([0.05, 0.04, 0.06, 0.05], [0.01, -0.01, 0.0, 0.005]), _scaling([1.0, 1.1, 1, 1])
+    m = {**mp.accumulation_metrics(s, sweep), **mp.scaling_metrics(s, scaling)}
+    text = mp.verdict_texts(s, sweep, scaling, m)["measured_text"]
+    est = {**mp.accumulation_estimates(s, sweep), **mp.scaling_estimates(s, scaling)}
+    assert est["master_copy_loss_gain"].describe(3) in text and est["master_copy_loss_gain_below_4"].describe(3) in text
+    assert est["scale_rule_vs_gradscaler"].describe(4) in text and "n=4, measured" in text
+
+
+def test_the_harness_does_not_import_the_reproduction_layer():
+    # issue 41: the figure drew its targets from macroarch.repro.claims; the notebook passes them now.
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(mp))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m and m.startswith("macroarch.repro")]

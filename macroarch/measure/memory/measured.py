@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -387,14 +387,37 @@ def training_bytes(report: MemoryReport) -> dict[str, int]:
     return out
 
 
+def affine_in_depth(values: Mapping[int, Mapping[str, int]], n_layers: int, what: str = "") -> dict[str, int]:
+    """Each key of ``values`` (measured bytes by depth: ``{depth: {key: bytes}}``) extrapolated to ``n_layers``.
+
+    The bytes of a stack of identical layers are affine in its depth (embeddings and head are the constant term), so
+    two depths fix each key: ``b(L) = b(l1) + (L - l1) * (b(l2) - b(l1)) / (l2 - l1)``. Every further depth must
+    agree (to a relative 1e-6): a ValueError naming ``what`` and the key otherwise, which checks the assumption on
+    the spot. Needs two or more depths.
+    """
+    depths = sorted(values)
+    if len(depths) < 2:
+        raise ValueError(f"{what or 'affine_in_depth'} needs measurements at two or more depths; got {depths}")
+    (l1, l2), out = depths[:2], {}
+    prefix = f"{what}: " if what else ""
+    for key in values[l1]:
+        slope = (values[l2][key] - values[l1][key]) / (l2 - l1)
+        for d in depths[2:]:
+            predicted = values[l1][key] + (d - l1) * slope
+            if abs(predicted - values[d][key]) > 1e-6 * max(1, values[d][key]):
+                raise ValueError(f"{prefix}{key}: bytes are not affine in depth (predicted {predicted:.0f} at {d} "
+                                 f"layers, measured {values[d][key]}): measure at larger depths")
+        out[key] = round(values[l1][key] + (n_layers - l1) * slope)
+    return out
+
+
 def extrapolate_by_depth(reports: dict[int, MemoryReport], n_layers: int,
                          constant: tuple[str, ...] = ()) -> dict[str, int]:
     """``training_bytes`` of an ``n_layers`` model from measurements of the same model at smaller depths.
 
-    Every category is affine in the number of identical layers (embeddings and head are the constant term;
-    with DGR the gradients of the largest group are constant once there are two layers), so two depths fix
-    it: ``b(L) = b(l1) + (L - l1) * (b(l2) - b(l1)) / (l2 - l1)``. With three or more depths the increments
-    must agree (ValueError naming the category if not), which checks the assumption on the spot.
+    Every category is affine in the number of identical layers (:func:`affine_in_depth`: two depths fix it, and
+    with three or more the increments must agree, ValueError naming the category if not); with DGR the gradients
+    of the largest group are constant once there are two layers.
 
     Categories in ``constant`` are a maximum over per-layer pieces instead (gradients under DGR: the largest
     group's), the same at every depth past the first: the deepest measurement is taken, and with three or more
@@ -404,20 +427,16 @@ def extrapolate_by_depth(reports: dict[int, MemoryReport], n_layers: int,
     if len(depths) < 2:
         raise ValueError(f"extrapolate_by_depth needs reports at two or more depths; got {depths}")
     bytes_at = {d: training_bytes(reports[d]) for d in depths}
-    (l1, l2), out = depths[:2], {}
-    for key in bytes_at[l1]:
-        if key in constant:
-            deepest = bytes_at[depths[-1]][key]
-            if len(depths) >= 3 and bytes_at[depths[-2]][key] != deepest:
-                raise ValueError(f"{key}: not constant in depth ({bytes_at[depths[-2]][key]} at {depths[-2]} layers, "
-                                 f"{deepest} at {depths[-1]})")
-            out[key] = deepest
+    affine = affine_in_depth({d: {k: v for k, v in b.items() if k not in constant} for d, b in bytes_at.items()},
+                             n_layers)
+    out = {}
+    for key in bytes_at[depths[0]]:
+        if key not in constant:
+            out[key] = affine[key]
             continue
-        slope = (bytes_at[l2][key] - bytes_at[l1][key]) / (l2 - l1)
-        for d in depths[2:]:
-            predicted = bytes_at[l1][key] + (d - l1) * slope
-            if abs(predicted - bytes_at[d][key]) > 1e-6 * max(1, bytes_at[d][key]):
-                raise ValueError(f"{key}: bytes are not affine in depth (predicted {predicted:.0f} at {d} layers, "
-                                 f"measured {bytes_at[d][key]})")
-        out[key] = round(bytes_at[l1][key] + (n_layers - l1) * slope)
+        deepest = bytes_at[depths[-1]][key]
+        if len(depths) >= 3 and bytes_at[depths[-2]][key] != deepest:
+            raise ValueError(f"{key}: not constant in depth ({bytes_at[depths[-2]][key]} at {depths[-2]} layers, "
+                             f"{deepest} at {depths[-1]})")
+        out[key] = deepest
     return out
