@@ -1,5 +1,5 @@
-"""The package's import graph, read from its source: no cycle among module-level imports, and no ``_private`` name
-imported from another module.
+"""The package's import graph, read from its source: no cycle among module-level imports, no ``_private`` name
+imported from another module, each layer importing only from the layers below it, and ``mvas/`` by role.
 
 Edges are the imports a module runs when it is imported: those at module level, including inside ``try``/``if``
 blocks, but not under ``if TYPE_CHECKING:`` and not inside functions (a function's import runs on call, after
@@ -9,7 +9,14 @@ loading). A ``_private`` name is a name with one leading underscore (dunders and
 from another module, anywhere in the file, couples the two modules to an implementation detail. A private
 *module* (``macroarch.mvas._kernels``) may be imported from inside its parent package only.
 
-``python tests/test_imports.py`` prints every cycle and every private import.
+**Layers** (``docs/design.md``, ``macroarch/__init__.py``): techniques < building blocks < measurement <
+reproduction (``LAYERS``). Every import a module makes counts, wherever it is in the file (inside a function, under
+``TYPE_CHECKING``, ``importlib.import_module("macroarch....")``): a harness in ``experiments`` that imports
+``macroarch.repro`` on call still depends on the reproduction layer. **mvas/ by role**: codecs < _kernels < packed <
+plan < interop < store and optim (``MVAS_ROLES``), for the imports a module runs when it is imported (the store
+sits on top: a loader may build one on call, ``interop.checkpoint.load_packed``).
+
+``python tests/test_imports.py`` prints every cycle, every private import and every upward import.
 """
 
 from __future__ import annotations
@@ -210,6 +217,98 @@ def _may_import_module(importer: str, module: str) -> bool:
     return True
 
 
+# -- layers ----------------------------------------------------------------------------------------------------------
+LAYERS = (  # lowest first; each top-level module or package of macroarch in exactly one (the top package, which
+    # re-exports every layer's names lazily, is above them all)
+    ("shared", ("_compat", "_progress", "_table", "_warnings", "_weak")),  # private infrastructure any layer may use
+    ("techniques", ("dgr", "mvas", "optim", "comm", "compose", "config", "integrations", "paths", "layers")),
+    ("building blocks", ("models", "data")),
+    ("measurement", ("measure", "experiments", "planner")),
+    ("reproduction", ("repro",)),
+)
+
+
+@dataclass(frozen=True)
+class Upward:
+    path: str
+    line: int
+    module: str  # the module imported
+    importer_layer: str
+    imported_layer: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.module} ({self.importer_layer} imports {self.imported_layer})"
+
+
+def layer_of(module: str, layers: tuple = LAYERS) -> int | None:
+    """The rank of ``module``'s layer (0 lowest), None for the top package; a module in no layer is an error."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    for rank, (_, members) in enumerate(layers):
+        if parts[1] in members:
+            return rank
+    raise AssertionError(f"{module} is in no layer: add {parts[1]!r} to LAYERS in tests/test_imports.py (and say "
+                         "where it sits in docs/design.md)")
+
+
+def all_imports(path: Path, importer: str, files: dict[str, Path]) -> list[tuple[int, str]]:
+    """``(line, module)`` for every module of the package that ``path`` imports anywhere: import statements at any
+    depth and under any condition, and ``importlib.import_module`` / ``__import__`` of a constant name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found += [(node.lineno, t) for t in _targets(node, importer, files)]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            value = node.args[0].value
+            if name in ("import_module", "__import__") and isinstance(value, str) and value.startswith(PACKAGE):
+                stmt = ast.Import(names=[ast.alias(name=value)])
+                found += [(node.lineno, t) for t in _targets(stmt, importer, files)]
+    return found
+
+
+def upward_imports(root: Path = ROOT, package: str = PACKAGE, layers: tuple = LAYERS) -> list[Upward]:
+    """Every import of a module in a higher layer than the importer's (``layer_of``)."""
+    files = module_files(root, package)
+    names = [name for name, _ in layers]
+    found = []
+    for importer, path in files.items():
+        low = layer_of(importer, layers)
+        if low is None:
+            continue
+        for line, module in all_imports(path, importer, files):
+            high = layer_of(module, layers)
+            if high is not None and high > low:
+                found.append(Upward(str(path.relative_to(root)), line, module, names[low], names[high]))
+    return sorted(set(found), key=lambda u: (u.path, u.line, u.module))
+
+
+MVAS_ROLES = (("codecs",), ("_kernels",), ("packed",), ("plan",), ("interop",), ("store", "optim"))
+"""``macroarch.mvas``'s sub-packages and modules by role, lowest first (``macroarch/mvas/__init__.py``)."""
+
+
+def role_violations(root: Path = ROOT, package: str = PACKAGE, roles: tuple = MVAS_ROLES) -> list[str]:
+    """Module-level imports (``import_graph``) inside ``<package>.mvas`` of a higher role than the importer's."""
+    mvas = f"{package}.mvas"
+
+    def rank(module: str) -> int | None:
+        parts = module.split(".")
+        if parts[:2] != [package, "mvas"] or len(parts) < 3:
+            return None  # the package itself (it re-exports every role) or outside mvas
+        return next(i for i, members in enumerate(roles) if parts[2] in members)
+
+    graph = import_graph(root, package)
+    found = []
+    for importer in sorted(m for m in graph if m.startswith(mvas + ".")):
+        for module in sorted(graph[importer]):
+            low, high = rank(importer), rank(module)
+            if low is not None and high is not None and high > low:
+                found.append(f"{importer} imports {module} ({'/'.join(roles[low])} below {'/'.join(roles[high])})")
+    return found
+
+
 def _report(title: str, lines: list[str]) -> str:
     mvas = [line for line in lines if "mvas" in line]
     return "\n".join([f"{title}: {len(lines)} ({len(mvas)} involve macroarch/mvas)", *[f"  {x}" for x in lines]])
@@ -228,6 +327,26 @@ def test_no_private_name_is_imported_across_modules():
     lines = [str(p) for p in found]
     print(_report("private imports", lines))
     assert not found, _report("_private names imported from another module (make each public or move it)", lines)
+
+
+def test_each_layer_imports_only_from_the_layers_below_it():
+    """Importing ``macroarch.models.layers`` runs ``macroarch/models/__init__.py`` (every model builder): a technique
+    that needs layer discovery depends on the building blocks unless discovery lives in the techniques' layer."""
+    found = upward_imports()
+    lines = [str(u) for u in found]
+    print(_report("upward imports", lines))
+    assert not found, _report("imports of a higher layer (move the shared piece down, or pass it in)", lines)
+
+
+def test_every_module_has_a_layer():
+    for module in module_files():
+        layer_of(module)
+
+
+def test_mvas_is_layered_by_role_with_store_and_optim_on_top():
+    found = role_violations()
+    print(_report("mvas role violations", found))
+    assert not found, _report("mvas modules importing a higher role at import time (move the piece down)", found)
 
 
 # -- the checks themselves, on a synthetic package -------------------------------------------------------------------
@@ -305,7 +424,46 @@ def test_private_imports_are_found(tmp_path, source, flagged):
     assert not [p for p in private_imports(root) if p.path != "macroarch/user.py"]
 
 
+def test_an_upward_import_is_found_wherever_it_is(tmp_path):
+    layers = (("low", ("a",)), ("high", ("b",)))
+    root = _package(tmp_path, {
+        "macroarch/__init__.py": "",
+        "macroarch/a/__init__.py": "",
+        "macroarch/a/x.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from macroarch.b import T\n"
+                             "def f():\n    import macroarch.b.y\n"
+                             "def g():\n    import importlib\n    return importlib.import_module('macroarch.b.y')\n"),
+        "macroarch/a/ok.py": "from macroarch.a import x\n",
+        "macroarch/b/__init__.py": "from macroarch.a import x\nT = 1\n",  # downward: fine
+        "macroarch/b/y.py": "",
+    })
+    found = [(u.line, u.module) for u in upward_imports(root, layers=layers)]
+    assert found == [(3, "macroarch.b"), (5, "macroarch.b"), (5, "macroarch.b.y"), (8, "macroarch.b"),
+                     (8, "macroarch.b.y")]
+
+
+def test_a_module_in_no_layer_is_named():
+    with pytest.raises(AssertionError, match="macroarch.newthing.x is in no layer"):
+        layer_of("macroarch.newthing.x")
+
+
+def test_a_lower_role_importing_the_store_at_import_time_is_found(tmp_path):
+    root = _package(tmp_path, {
+        "macroarch/__init__.py": "",
+        "macroarch/mvas/__init__.py": "from macroarch.mvas.store import S\n",  # the package re-exports: fine
+        "macroarch/mvas/codecs/__init__.py": "",
+        "macroarch/mvas/interop/__init__.py": "",
+        "macroarch/mvas/interop/ck.py": ("from macroarch.mvas.codecs import f\nfrom macroarch.mvas.store import S\n"
+                                         "def load():\n    from macroarch.mvas.store import S\n"),
+        "macroarch/mvas/interop/ok.py": "def load():\n    from macroarch.mvas.store import S\n",  # on call
+        "macroarch/mvas/store.py": "from macroarch.mvas.interop import ck\nS = 1\n",
+    })
+    assert role_violations(root, roles=(("codecs",), ("interop",), ("store",))) == [
+        "macroarch.mvas.interop.ck imports macroarch.mvas.store (interop below store)"]
+
+
 if __name__ == "__main__":
     graph = import_graph()
     print(_report("import cycles", [" -> ".join(c) for c in cycles(graph)]))
     print(_report("private imports", [str(p) for p in private_imports()]))
+    print(_report("upward imports", [str(u) for u in upward_imports()]))
+    print(_report("mvas role violations", role_violations()))

@@ -4,9 +4,15 @@ A private name is any part of a dotted torch path that starts with ``_`` and is 
 ``from torch.utils._pytree import ...``, ``import torch._dynamo``, ``torch.ops.mkldnn._x``, a ``getattr(torch.x,
 "_y")`` (with the name a string constant, or a loop variable over string constants), ``importlib.import_module(
 "torch._x")``, and, in a class that subclasses a torch class, a method that overrides a private member of its base
-or a ``self._x``/``super()._x`` that reads one. Aliases are followed (``import torch.nn.functional as F``, ``from
-torch.distributed import fsdp``). What the scan cannot see: private attributes of objects it cannot trace to torch
-(``tensor._base`` on a local).
+or a ``self._x``/``super()._x`` that reads one. Aliases are followed: imports (``import torch.nn.functional as F``,
+``from torch.distributed import fsdp``) and assignments (``aten = torch.ops.aten``, wherever in the module).
+
+Objects the scan cannot trace to torch (a function's argument, ``ddp.reducer``, ``t.grad_fn``) are caught by the
+name of the attribute: ``x._y`` or ``getattr(x, "_y")`` is reported when ``_y`` is a private attribute of one of
+torch's classes (``torch_private_attributes``: read from the classes of torch's public modules, their members and
+what their methods assign to ``self``: ``Module._parameters``, ``TensorBase._base``, ``Reducer._get_zeros_like_...``)
+and the package does not define ``_y`` on a class of its own (``own_attributes``; a name both define is taken as
+the package's, the limit of reading source without types).
 
 ``python tests/test_private_api.py`` prints the inventory: each shim with what it covers, and every hit outside.
 """
@@ -16,9 +22,10 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import inspect
 import re
-import textwrap
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +34,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "macroarch"
 SHIMS = PACKAGE / "_compat"
+
+# torch's public modules whose classes' instances the package handles, often without naming the class (a module
+# passed in, a gradient's ``grad_fn``, DDP's ``reducer``); their classes and every base of those in torch are read
+TORCH_MODULES = ("torch", "torch.nn", "torch.nn.parallel", "torch.optim", "torch.autograd", "torch.autograd.graph",
+                 "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.utils.data",
+                 "torch.utils.hooks", "torch.fx", "torch.amp", "torch.nn.utils.parametrize", "torch.cuda")
 
 
 @dataclass(frozen=True)
@@ -48,13 +61,57 @@ def _is_private_path(dotted: str) -> bool:
     return parts[0] == "torch" and any(_private(p) for p in parts[1:])
 
 
-class _Scanner(ast.NodeVisitor):
-    """One module's private torch names. Aliases are tracked per module (not per scope: a function's local
-    ``import torch._x as y`` is reported where it is imported, and its later uses resolve too)."""
+def _dotted_in(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """``torch.a.b`` for an attribute chain whose root is a name bound to torch (or to a path inside it)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in aliases:
+        return ".".join([aliases[node.id], *reversed(parts)])
+    return None
 
-    def __init__(self, path: str) -> None:
+
+def torch_aliases(tree: ast.AST) -> dict[str, str]:
+    """Every name the module binds to torch or a path inside it: by import, or by assignment from such a path
+    (``aten = torch.ops.aten``; ``ops = torch.ops`` then ``aten = ops.aten``), in any scope and in any order."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    aliases[alias.asname or "torch"] = alias.name if alias.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    assignments = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    assignments += zip(target.elts, node.value.elts)
+                else:
+                    assignments.append((target, node.value))
+        elif isinstance(node, ast.AnnAssign | ast.NamedExpr) and node.value is not None:
+            assignments.append((node.target, node.value))
+    changed = True
+    while changed:  # an alias may be assigned from one assigned further down
+        changed = False
+        for target, value in assignments:
+            dotted = _dotted_in(value, aliases)
+            if isinstance(target, ast.Name) and dotted is not None and aliases.get(target.id) != dotted:
+                aliases[target.id] = dotted
+                changed = True
+    return aliases
+
+
+class _Scanner(ast.NodeVisitor):
+    """One module's private torch names. Aliases are per module (``torch_aliases``: not per scope)."""
+
+    def __init__(self, path: str, aliases: dict[str, str], own: frozenset[str]) -> None:
         self.path = path
-        self.aliases: dict[str, str] = {}  # local name -> dotted torch path
+        self.aliases = aliases  # local name -> dotted torch path
+        self.own = own  # private attribute names the package defines on its own classes
         self.hits: list[Hit] = []
         self.objects: set[str] = set()  # every torch path the module refers to
         self.strings: list[tuple[ast.Constant, str]] = []  # string constants that look like private names
@@ -71,10 +128,6 @@ class _Scanner(ast.NodeVisitor):
                 continue
             if _is_private_path(alias.name):
                 self._hit(node, alias.name)
-            if alias.asname:
-                self.aliases[alias.asname] = alias.name
-            else:
-                self.aliases["torch"] = "torch"
             self.objects.add(alias.name)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
@@ -84,18 +137,10 @@ class _Scanner(ast.NodeVisitor):
             dotted = f"{node.module}.{alias.name}"
             if _is_private_path(dotted):
                 self._hit(node, dotted)
-            self.aliases[alias.asname or alias.name] = dotted
 
     # -- names ---------------------------------------------------------------------------------------------------
     def _dotted(self, node: ast.AST) -> str | None:
-        """``torch.a.b`` for an attribute chain whose root is a name bound to torch (or to a path inside it)."""
-        parts = []
-        while isinstance(node, ast.Attribute):
-            parts.append(node.attr)
-            node = node.value
-        if isinstance(node, ast.Name) and node.id in self.aliases:
-            return ".".join([self.aliases[node.id], *reversed(parts)])
-        return None
+        return _dotted_in(node, self.aliases)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         dotted = self._dotted(node)
@@ -104,16 +149,23 @@ class _Scanner(ast.NodeVisitor):
             if _is_private_path(dotted):
                 self._hit(node, dotted)
             return  # the inner parts of the chain are the same name
-        self._check_self_attribute(node)
+        if not self._check_self_attribute(node):
+            self._check_object_attribute(node, node.attr)
         self.generic_visit(node)
+
+    def _check_object_attribute(self, node: ast.AST, name: str) -> None:
+        """``x._y`` on an object not traced to torch: reported if ``_y`` is torch's and not the package's own."""
+        owner = torch_private_attributes().get(name)
+        if owner is not None and name not in self.own:
+            self._hit(node, f"{owner}.{name}")
 
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         by_name = ("getattr", "hasattr", "setattr", "delattr")
         if isinstance(func, ast.Name) and func.id in by_name and len(node.args) >= 2:
             owner = self._dotted(node.args[0])
-            names = self._strings(node.args[1]) if owner is not None else []
-            if names:  # the attribute by name is the one reported, not its owner alone
+            names = self._strings(node.args[1])
+            if names and owner is not None:  # the attribute by name is the one reported, not its owner alone
                 self.objects.add(owner)
                 for name in names:
                     if _is_private_path(f"{owner}.{name}"):
@@ -121,6 +173,8 @@ class _Scanner(ast.NodeVisitor):
                 for arg in [*node.args[1:], *node.keywords]:
                     self.visit(arg)
                 return
+            for name in names:  # on an object not traced to torch
+                self._check_object_attribute(node, name)
         callee = self._callee(func)
         if callee in ("importlib.import_module", "__import__") and node.args:
             for name in self._strings(node.args[0]):
@@ -172,25 +226,22 @@ class _Scanner(ast.NodeVisitor):
 
     # -- subclasses of torch classes -------------------------------------------------------------------------------
     def _torch_bases(self, node: ast.ClassDef) -> list[type]:
-        bases = []
-        for base in node.bases:
-            dotted = self._dotted(base)
-            if dotted is None:
-                continue
-            obj = _resolve(dotted)
-            if isinstance(obj, type):
-                bases.append(obj)
-        return bases
+        return torch_bases(node, self.aliases)
 
-    def _check_self_attribute(self, node: ast.Attribute) -> None:
-        if not self._classes or not _private(node.attr):
-            return
-        _, bases = self._classes[-1]
+    def _check_self_attribute(self, node: ast.Attribute) -> bool:
+        """``self._x`` / ``super()._x`` in a class whose torch base has ``_x``: reported (True). False for any other
+        attribute (``_check_object_attribute`` then decides: a class of the package may derive from torch's
+        through another of its own)."""
         value = node.value
         is_self = isinstance(value, ast.Name) and value.id in ("self", "cls")
         is_super = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"
-        if (is_self or is_super) and any(hasattr(b, node.attr) or _instance_attribute(b, node.attr) for b in bases):
+        if not (is_self or is_super) or not self._classes or not _private(node.attr):
+            return False
+        _, bases = self._classes[-1]
+        if any(hasattr(b, node.attr) or _instance_attribute(b, node.attr) for b in bases):
             self._hit(node, f"{_qualname(bases, node.attr)}")
+            return True
+        return False
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         bases = self._torch_bases(node)
@@ -215,6 +266,124 @@ class _Scanner(ast.NodeVisitor):
         self._scopes.append(node)
         self.generic_visit(node)
         self._scopes.pop()
+
+
+def torch_bases(node: ast.ClassDef, aliases: dict[str, str]) -> list[type]:
+    """The torch classes among a class statement's bases."""
+    bases = []
+    for base in node.bases:
+        dotted = _dotted_in(base, aliases)
+        obj = None if dotted is None else _resolve(dotted)
+        if isinstance(obj, type):
+            bases.append(obj)
+    return bases
+
+
+def _defined_attributes(klass: ast.ClassDef) -> set[str]:
+    """The attributes a class statement defines: its methods and class attributes, ``__slots__``, and whatever its
+    methods assign to ``self.<name>`` / ``cls.<name>`` or through ``__setattr__("<name>", ...)``."""
+    names = set()
+    for stmt in klass.body:
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(stmt.name)
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
+            stmt, ast.AnnAssign) else []
+        names.update(t.id for t in targets if isinstance(t, ast.Name))
+        if any(isinstance(t, ast.Name) and t.id == "__slots__" for t in targets):
+            names.update(c.value for c in ast.walk(stmt.value) if isinstance(c, ast.Constant)
+                         and isinstance(c.value, str))
+    for node in ast.walk(klass):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__setattr__"
+              and node.args):
+            first = node.args[1] if len(node.args) > 2 else node.args[0]  # object.__setattr__(self, "x", v)
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.add(first.value)
+    return names
+
+
+def own_attributes(sources: Iterable[str]) -> frozenset[str]:
+    """The private attribute names the package defines on its own classes: ``_defined_attributes`` of each, less
+    those that a torch base of that class has (an override of torch's member is torch's name, not the package's)."""
+    own = set()
+    for source in sources:
+        tree = ast.parse(source)
+        aliases = torch_aliases(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = torch_bases(node, aliases)
+                own.update(name for name in _defined_attributes(node) if _private(name) and not any(
+                    hasattr(b, name) or _instance_attribute(b, name) for b in bases))
+    return frozenset(own)
+
+
+@functools.cache
+def torch_private_attributes() -> dict[str, str]:
+    """Private attribute name -> the torch class it belongs to (``module.qualname``), for every class of
+    ``TORCH_MODULES`` and every base of those in torch: the names in each class's ``__dict__`` (C++ methods such as
+    ``Reducer._get_zeros_like_grad_buckets`` and ``Node._sequence_nr`` included) and the attributes its methods
+    assign to ``self`` (``Module._parameters``). Where several classes have a name, the one nearest the root of
+    its hierarchy is named (the base most of them derive from: ``TensorBase._base``, not ``ByteTensor._base``)."""
+    import warnings
+
+    classes: set[type] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated aliases warn when read (torch.distributed.reduce_op)
+        for name in TORCH_MODULES:
+            module = importlib.import_module(name)
+            for attr in dir(module):
+                try:
+                    obj = getattr(module, attr)
+                except Exception:  # a lazily imported submodule that fails here is no class of ours
+                    continue
+                if isinstance(obj, type):
+                    classes.update(k for k in obj.__mro__ if (k.__module__ or "").split(".")[0] == "torch")
+    below = {k: sum(k in c.__mro__ for c in classes) for k in classes}  # how many of the classes derive from k
+    found: dict[str, str] = {}
+    for klass in sorted(classes, key=lambda k: (-below[k], k.__module__, k.__qualname__)):
+        tree = _class_tree(klass)
+        names = set(vars(klass)) | (_defined_attributes(tree) if tree is not None else set())
+        for name in sorted(names):
+            if _private(name):
+                found.setdefault(name, f"{klass.__module__}.{klass.__qualname__}")
+    return found
+
+
+def _class_tree(klass: type) -> ast.ClassDef | None:
+    """The class statement of ``klass`` in its source file; None for a class without Python source."""
+    try:
+        path = inspect.getsourcefile(klass)
+    except TypeError:  # a builtin (C++) class
+        return None
+    return None if path is None else _classes_in(path).get(klass.__qualname__)
+
+
+@functools.cache
+def _classes_in(path: str) -> dict[str, ast.ClassDef]:
+    """Qualified name -> class statement, for every class of a source file (parsed once: ``inspect.getsource``
+    parses the whole file again for each class)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return {}
+    found: dict[str, ast.ClassDef] = {}
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.ClassDef):
+                found[prefix + stmt.name] = stmt
+                walk(stmt.body, f"{prefix}{stmt.name}.")
+            elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+                walk(stmt.body, f"{prefix}{stmt.name}.<locals>.")
+            elif isinstance(stmt, ast.If | ast.Try):  # classes defined under a version or import check
+                walk([*stmt.body, *stmt.orelse, *getattr(stmt, "finalbody", [])], prefix)
+                for handler in getattr(stmt, "handlers", []):
+                    walk(handler.body, prefix)
+
+    walk(tree.body, "")
+    return found
 
 
 def _has(dotted: str, name: str) -> bool:
@@ -253,17 +422,10 @@ def _instance_attribute(cls: type, name: str) -> bool:
                for source in map(_init_source, cls.__mro__))  # ``super().__setattr__("x", ...)`` as nn.Module does
 
 
-@functools.cache
 def _init_source(klass: type) -> str:
     """The source text of the ``__init__`` written in ``klass``'s own class body, or "" where there is none."""
-    import inspect
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-    except (OSError, TypeError, SyntaxError):
-        return ""
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for stmt in body:
+    tree = _class_tree(klass)
+    for stmt in [] if tree is None else tree.body:
         if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
             return ast.unparse(stmt)
     return ""
@@ -274,10 +436,12 @@ def _qualname(bases: list[type], name: str) -> str:
     return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
-def scan_source(source: str, path: str = "<source>") -> list[Hit]:
-    """The private torch names one module's source touches, in line order (a name once per line)."""
-    scanner = _Scanner(path)
-    scanner.visit(ast.parse(source, filename=path))
+def scan_source(source: str, path: str = "<source>", own: frozenset[str] | None = None) -> list[Hit]:
+    """The private torch names one module's source touches, in line order (a name once per line). ``own``: the
+    private attribute names the package defines (``own_attributes``); default, those this source defines."""
+    tree = ast.parse(source, filename=path)
+    scanner = _Scanner(path, torch_aliases(tree), own_attributes([source]) if own is None else own)
+    scanner.visit(tree)
     scanner.names_by_string()
     seen, hits = set(), []
     for hit in sorted(scanner.hits, key=lambda h: (h.line, h.name)):
@@ -288,9 +452,11 @@ def scan_source(source: str, path: str = "<source>") -> list[Hit]:
 
 
 def scan_package() -> list[Hit]:
+    sources = {path: path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    own = own_attributes(sources.values())
     hits = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        hits += scan_source(path.read_text(), str(path.relative_to(ROOT)))
+    for path, source in sources.items():
+        hits += scan_source(source, str(path.relative_to(ROOT)), own)
     return hits
 
 
@@ -380,6 +546,23 @@ def _names(source: str) -> list[str]:
          ["torch.nn.modules.module.Module._parameters"]),
         ("import torch\nclass M(torch.nn.Module):\n    def _apply(self, fn):\n        return super()._apply(fn)",
          ["torch.nn.modules.module.Module._apply (overridden)", "torch.nn.modules.module.Module._apply"]),
+        # aliases by assignment, before or after their use, and chained
+        ("import torch\naten = torch.ops.aten\nOPS = {aten._unsafe_view.default, aten.view.default}",
+         ["torch.ops.aten._unsafe_view.default"]),
+        ("import torch\ndef f(func):\n    return func is aten._to_copy.default\naten = ops.aten\nops = torch.ops",
+         ["torch.ops.aten._to_copy.default"]),
+        ("from torch import ops\naten, c = ops.aten, 1\naten._unsafe_view", ["torch.ops.aten._unsafe_view"]),
+        # private attributes of torch's classes, on objects the scan cannot trace to torch
+        ("def tensors(module):\n    return module._parameters, module._buffers",
+         ["torch.nn.modules.module.Module._buffers", "torch.nn.modules.module.Module._parameters"]),
+        ("def buckets(ddp):\n    return ddp.reducer._get_zeros_like_grad_buckets()",
+         ["torch._C._distributed_c10d.Reducer._get_zeros_like_grad_buckets"]),
+        ("def order(t):\n    return t.grad_fn._sequence_nr()", ["torch._C._FunctionBase._sequence_nr"]),
+        ("def is_view(t):\n    return t._base is not None", ["torch._C.TensorBase._base"]),
+        ("def shard(p):\n    return getattr(p, '_local_tensor', p)",
+         ["torch.distributed.tensor.DTensor._local_tensor"]),
+        ("class Helper:\n    def f(self, module):\n        return self._parameters",
+         ["torch.nn.modules.module.Module._parameters"]),
     ],
 )
 def test_the_scanner_finds_private_names(source, expected):
@@ -398,6 +581,10 @@ def test_the_scanner_finds_private_names(source, expected):
         "import numpy as np\nnp._core",  # not torch
         "from macroarch._compat.autograd import backward_pass_id",
         "import torch\nSUFFIX = '_packed'\nx = torch.cpu",  # a private-looking string no torch object has
+        "def f(weight):\n    return weight._views",  # a private name no torch class has
+        # a name torch's classes have that the package defines on a class of its own is taken as the package's
+        "class Store:\n    def __init__(self):\n        self._version = 0\ndef f(store):\n    return store._version",
+        "import torch\nx = torch.float32\ndef f(x):\n    return x.is_floating_point",
     ],
 )
 def test_the_scanner_passes_public_use(source):
@@ -418,6 +605,28 @@ def test_the_scanner_reads_init_from_source_after_torch_compile_wraps_it(monkeyp
     monkeypatch.setattr(torch.nn.Module, "__init__", patched_init)
     source = "import torch\nclass M(torch.nn.Module):\n    def f(self):\n        return self._buffers"
     assert _names(source) == ["torch.nn.modules.module.Module._buffers"]
+
+
+def test_the_private_attributes_are_read_from_torchs_classes():
+    """Derived, not listed: the names of the audit's misses are found, each with the class it belongs to, and an
+    attribute that is not private is not."""
+    import torch
+
+    names = torch_private_attributes()
+    assert names["_parameters"] == "torch.nn.modules.module.Module"  # assigned in Module.__init__
+    assert names["_base"] == "torch._C.TensorBase"  # a C++ attribute
+    assert names["_sequence_nr"] == "torch._C._FunctionBase"  # every autograd node's (grad_fn) C++ base
+    assert "_get_zeros_like_grad_buckets" in names and "reducer" not in names
+    assert all(_private(n) for n in names)
+    assert hasattr(torch.ones(1), "_version") and "_version" in names
+
+
+def test_the_package_defines_its_own_names():
+    """A class's own private attributes are the package's; an override of its torch base's is not."""
+    source = ("import torch\nclass W(torch.Tensor):\n    def _derived(self):\n        self._dtype = 1\n"
+              "    def _make_subclass(self):\n        pass\n")
+    own = own_attributes([source])
+    assert {"_derived", "_dtype"} <= own and "_make_subclass" not in own
 
 
 def test_a_new_private_name_fails_the_package_test(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """The private ``torch.compile`` settings the MVAS kernels (``macroarch.mvas._kernels``) compile under.
 
-Written against torch 2.13 and 2.14 (``SUPPORTED``). Imported by the kernels' runner when a kernel first compiles,
-never at ``import macroarch``. Each setting falls back to torch's default where its private name has moved: the
-kernels then still compile and stay correct, with more recompiles (a warning from dynamo says so).
+Imported by the kernels' runner when a kernel first compiles, never at ``import macroarch``; the release is checked
+against the package's range then (``version.check``: a warning once outside it). Each setting falls back to torch's
+default where its private name has moved: the kernels then still compile and stay correct, with more recompiles (a
+warning from dynamo says so).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUPPORTED", "below_autograd", "kernel_config", "mark_rows_dynamic"]
+from macroarch._compat import version
 
-SUPPORTED = ((2, 13), (2, 14))
-"""The torch releases (major, minor) these settings were written against."""
+__all__ = ["below_autograd", "kernel_config", "mark_rows_dynamic"]
 
 
 @functools.cache
 def _dynamo() -> Any:
+    version.check("macroarch._compat.compile (compiled MVAS kernels)")
     import torch._dynamo  # the submodule holds the settings below; importing it costs nothing once compiling
 
     return torch._dynamo
@@ -54,5 +55,6 @@ def below_autograd() -> contextlib.AbstractContextManager[Any]:
     from an optimizer then see the same dispatch state, so one compiled kernel serves both instead of two."""
     # torch._C._AutoDispatchBelowADInplaceOrView: the RAII guard __torch_dispatch__ runs under; no public equivalent.
     # Fallback: nothing (a second compiled kernel for the other state, the same values)
+    version.check("macroarch._compat.compile (compiled MVAS kernels)")
     guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
     return contextlib.nullcontext() if guard is None else guard()

@@ -77,8 +77,8 @@ def _tracker_class() -> type:
                 self._on_change(winfo, kinds[old_reftype], nbytes, kind, nbytes)
 
         # private override: MemTracker also refreshes a peak snapshot for every active module here, scanning all
-        # modules after every op: quadratic in depth (a GPT-3 175B step took 90 s instead of 4 s). Only the global
-        # peak is kept (the per-module snapshots are not reported).
+        # modules after every op: quadratic in depth (its cost on a GPT-3 175B step: docs/benchmarks.md). Only the
+        # global peak is kept (the per-module snapshots are not reported).
         def _update_peak_stats(self, peak_state) -> None:  # type: ignore[override]
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:

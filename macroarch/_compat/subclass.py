@@ -1,9 +1,9 @@
 """Tensor-subclass dispatch helpers: the private torch APIs ``MVASWeight`` (``macroarch.mvas.packed.weight``), its
 linear layer and ``MVASAdamW`` need, in one place.
 
-Written against torch 2.13 and 2.14 (``SUPPORTED``). Every name is looked up when first called, never when
-``macroarch`` is imported; a release outside the range is checked once and, where a name has moved, falls back to a
-slower public path or raises an error that names the release.
+Every name is looked up when first called, never when ``macroarch`` is imported; the release is checked against the
+package's range (``version.check``: a warning once outside it) and, where a name has moved, a helper falls back to a
+slower public path or raises ``version.missing``'s error naming the name and the release.
 """
 
 from __future__ import annotations
@@ -11,32 +11,23 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["SUPPORTED", "check_release", "dispatch_modes_active", "make_wrapper_subclass", "modes_disabled",
+from macroarch._compat import version
+
+__all__ = ["AtenOps", "dispatch_modes_active", "make_wrapper_subclass", "modes_disabled", "private_aten_ops",
            "torch_function_disabled", "writes", "written_arguments"]
 
-SUPPORTED = ((2, 13), (2, 14))
-"""The torch releases (major, minor) these helpers were written against."""
-
-
-def _release() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def _missing(what: str, error: BaseException) -> RuntimeError:
-    return RuntimeError(f"macroarch needs {what}, which torch {torch.__version__} does not have ({error}); "
-                        f"macroarch supports torch {'.'.join(map(str, SUPPORTED[0]))} to "
-                        f"{'.'.join(map(str, SUPPORTED[-1]))}")
+_PURPOSE = "macroarch._compat.subclass (MVAS weights)"
 
 
 @functools.cache
 def _stack_length() -> Callable[[], int]:
     # torch._C._len_torch_dispatch_stack: whether a dispatch mode (MemTracker, FakeTensorMode, op counters) is on,
     # asked on every weight read; no public API reports it. Fallback: the public-but-underscored mode getter.
+    version.check(_PURPOSE)
     try:
         return torch._C._len_torch_dispatch_stack
     except AttributeError:
@@ -56,10 +47,12 @@ def modes_disabled() -> contextlib.AbstractContextManager[Any]:
     if not dispatch_modes_active():
         return contextlib.nullcontext()
     # torch.utils._python_dispatch._disable_current_modes: no public way to step outside every active mode
+    version.check(_PURPOSE)
     try:
         from torch.utils._python_dispatch import _disable_current_modes
     except ImportError as error:
-        raise _missing("torch.utils._python_dispatch._disable_current_modes", error) from error
+        raise version.missing("torch.utils._python_dispatch._disable_current_modes",
+                              "stepping outside a dispatch mode for a weight's shape arithmetic", error) from error
     return _disable_current_modes()
 
 
@@ -75,9 +68,13 @@ def make_wrapper_subclass(cls: type, size: Any, *, strides: Any, dtype: torch.dt
                           requires_grad: bool) -> torch.Tensor:
     """An instance of the wrapper subclass ``cls`` with no storage of its own (torchao's subclasses use the same
     constructor: torch has no public one)."""
-    check_release()
-    return torch.Tensor._make_wrapper_subclass(cls, size, strides=strides, dtype=dtype, device=device,
-                                               requires_grad=requires_grad)
+    version.check(_PURPOSE)
+    try:
+        make = torch.Tensor._make_wrapper_subclass
+    except AttributeError as error:
+        raise version.missing("torch.Tensor._make_wrapper_subclass", "MVAS weights (a tensor subclass)",
+                              error) from error
+    return make(cls, size, strides=strides, dtype=dtype, device=device, requires_grad=requires_grad)
 
 
 def written_arguments(func: Any, args: tuple, kwargs: dict) -> Iterator[Any]:
@@ -99,9 +96,23 @@ def writes(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
+class AtenOps(NamedTuple):
+    """The ATen ops with private names that a wrapper subclass's ``__torch_dispatch__`` must recognise."""
+
+    to_copy: Any  #: ``aten._to_copy.default``: what ``Tensor.to(dtype or device)`` and autocast's casts dispatch as
+    unsafe_view: Any  #: ``aten._unsafe_view.default``: what ``reshape`` of a contiguous tensor dispatches as
+
+
 @functools.cache
-def check_release() -> None:
-    """Raise RuntimeError if this torch is older than the oldest release supported."""
-    if _release() < SUPPORTED[0]:
-        raise RuntimeError(f"macroarch needs torch {'.'.join(map(str, SUPPORTED[0]))} or newer; this is torch "
-                           f"{torch.__version__}")
+def private_aten_ops() -> AtenOps:
+    """The private-named ATen ops of ``AtenOps``, looked up on the first dispatch."""
+    version.check(_PURPOSE)
+    aten = torch.ops.aten
+    try:
+        # private names, public behaviour: every cast and device move of a subclass reaches __torch_dispatch__ as
+        # _to_copy, and reshape as _unsafe_view (not flagged is_view), so a subclass that keeps its storage through
+        # them must match these two ops; neither has a public alias (torch.ops.aten has no to_copy or unsafe_view)
+        return AtenOps(to_copy=aten._to_copy.default, unsafe_view=aten._unsafe_view.default)
+    except (AttributeError, RuntimeError) as error:
+        raise version.missing("torch.ops.aten._to_copy / _unsafe_view", "casts and reshapes of MVAS weights",
+                              error) from error

@@ -405,7 +405,9 @@ def ddp_with_buckets(module: nn.Module, bucket_mb: float = BUCKET_MULTIPLE_MB, p
 def ddp_bucket_bytes(ddp: torch.nn.parallel.DistributedDataParallel) -> list[int]:
     """The sizes in bytes of the buckets DDP uses now (after its first iteration rebuilt them), in bucket order.
 
-    Read from the reducer's buckets: ``_get_ddp_logging_data()["bucket_sizes"]`` reports the total at
-    construction, not the rebuilt buckets.
+    Read from the reducer's buckets (``macroarch._compat.distributed.ddp_bucket_buffers``, private): DDP's logging
+    data reports the sizes at construction, not the rebuilt buckets.
     """
-    return [b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    from macroarch._compat.distributed import ddp_bucket_buffers
+
+    return [b.numel() * b.element_size() for b in ddp_bucket_buffers(ddp)]

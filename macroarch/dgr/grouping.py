@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from macroarch._compat.autograd import sequence_nr
 from macroarch._table import format_table
 from macroarch.models.layers import find_repeated_layers
 
@@ -164,7 +165,7 @@ def backward_order(output: Any) -> list[tuple[torch.Tensor, int]]:
     stack = list(nodes)
     while stack:  # iterative: a 1000-layer graph is far deeper than Python's recursion limit
         node = stack.pop()
-        seq = node._sequence_nr()
+        seq = sequence_nr(node)  # the engine runs the ready node with the highest first (private: _compat.autograd)
         for child, _ in node.next_functions:
             if child is None:
                 continue

@@ -92,7 +92,7 @@ from typing import Any
 
 import torch
 
-from macroarch._compat.autograd import at_backward_end, backward_pass_id
+from macroarch._compat.autograd import at_backward_end, backward_pass_id, is_view
 from macroarch._compat.subclass import torch_function_disabled
 from macroarch.dgr.grouping import Grouping
 from macroarch.optim.compensation import GradientCompensator
@@ -618,7 +618,7 @@ def _owned(grad: torch.Tensor | None) -> torch.Tensor | None:
     """A gradient to queue for a later step: itself, or a copy where it is a view into another tensor's memory
     (DDP with ``gradient_as_bucket_view=True`` makes ``.grad`` a view into its bucket, which the next backward pass
     overwrites: the queued gradient would silently become the next step's)."""
-    return grad.clone() if grad is not None and local(grad)._base is not None else grad  # a DTensor: its shard's
+    return grad.clone() if grad is not None and is_view(local(grad)) else grad  # a DTensor: its shard's
 
 
 def _skip(inner: torch.optim.Optimizer, nonfinite: bool) -> None:

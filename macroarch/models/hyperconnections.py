@@ -70,8 +70,8 @@ def sinkhorn_knopp(logits: Tensor, iters: int = 20, eps: float = 1e-12) -> Tenso
 def _mix(weights: Tensor, h: Tensor) -> Tensor:
     """``weights @ h`` for ``(..., m, n)`` weights and ``(..., n, d)`` streams, as a broadcast multiply-sum.
 
-    Same result as the matmul, but on CPU torch's batched matmul of many tiny per-token matrices is far slower
-    (measured with torch 2.14: seconds instead of milliseconds per call when the weights are a transposed view).
+    Same result as the matmul, which on CPU is far slower for many tiny per-token matrices when the weights are a
+    transposed view (``docs/benchmarks.md``, "Measurements moved out of docstrings").
     """
     return (weights.unsqueeze(-1) * h.unsqueeze(-3)).sum(dim=-2)
 

@@ -14,8 +14,10 @@ No library ships it, so it is written here as the paper describes it:
 
 The five layers of the shared MLP are one ``nn.ModuleList`` (``layers``), the repeated container that
 ``find_repeated_layers`` (and so DGR's grouping and MVAS's plan transfer) sees. ``forward(points, labels)``
-takes points as ``(batch, n_points, 3)`` and returns a ``ModelOutput`` with ``logits`` and, when labels are
-given, ``loss``, like the Hugging Face classifiers.
+takes points as ``(batch, n_points, 3)`` and returns a ``PointNetOutput`` with ``logits`` and, when labels are
+given, ``loss``, read as Hugging Face code reads a ``ModelOutput``: by attribute (``out.loss``), by key
+(``out["logits"]``), by position over the fields that are set (``out[0]`` is the loss when there is one, as
+``Trainer`` reads it) and as ``to_tuple()``. It needs torch alone (no ``transformers``).
 
 Deviations: none in the architecture. The paper trains with batch 32, 1024 points, Adam at 1e-3; the
 experiments here choose their own settings.
@@ -23,12 +25,13 @@ experiments here choose their own settings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.utils import ModelOutput
 
 #: widths of the shared MLP (64-64 before the feature transform, 64-128-1024 after it)
 SHARED_MLP = (64, 64, 64, 128, 1024)
@@ -40,13 +43,34 @@ HEAD_FC = (512, 256)
 REGULARISER_WEIGHT = 1e-3
 
 
-@dataclass
-class PointNetOutput(ModelOutput):
-    """``logits`` (batch, classes); ``loss`` when labels were given; ``feature_transform`` (batch, 64, 64)."""
+@dataclass(eq=False)
+class PointNetOutput(Mapping):
+    """``logits`` (batch, classes); ``loss`` when labels were given; ``feature_transform`` (batch, 64, 64).
+
+    A read-only mapping of the fields that are not None, in field order, like ``transformers``' ``ModelOutput``:
+    ``out.logits``, ``out["logits"]``, ``out[0]``, ``out.to_tuple()``, ``dict(out)``."""
 
     loss: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     feature_transform: torch.Tensor | None = None
+
+    def _set(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def __getitem__(self, key: str | int | slice) -> Any:
+        if isinstance(key, str):
+            return self._set()[key]
+        return self.to_tuple()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._set())
+
+    def __len__(self) -> int:
+        return len(self._set())
+
+    def to_tuple(self) -> tuple[torch.Tensor, ...]:
+        """The fields that are set, in order (``loss`` first when there is one)."""
+        return tuple(self._set().values())
 
 
 class PointConv(nn.Module):

@@ -44,8 +44,9 @@ finite scales, payload codes), so another model's state or a corrupt one is refu
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -64,6 +65,22 @@ STEP_CHUNK_NUMEL = 1 << 20
 size between its loops (the new moments and weight, before their block scales are known): chunks of 2^20 elements
 (4 MB each) keep them in the caches, larger ones do not; a call's fixed Python cost stays small beside a chunk."""
 _EXACT_KEYS = ("exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "master")
+
+
+def _not_traced(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(method)``, made on the first call: ``torch.compiler.disable`` imports dynamo (most of
+    ``torch.compile``'s modules), which a decorator applied at class definition would import with
+    ``macroarch.mvas`` itself, compiled or not (torch's own optimizers defer it the same way)."""
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(method)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(method)
+        return disabled(*args, **kwargs)
+
+    return step
 
 
 def min_subnormal(fmt_name: str) -> float:
@@ -179,7 +196,7 @@ class MVASAdamW(torch.optim.Optimizer):
                                 "master" in state, state_fmt.name, state_block,
                                 min_subnormal(state_fmt.name) if state_block is not None else 0.0)
 
-    @torch.compiler.disable  # traced by the user's torch.compile it fails (views of packed state); runs as it is
+    @_not_traced  # traced by the user's torch.compile it fails (views of packed state); runs as it is
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         loss = None

@@ -38,24 +38,30 @@ dtype and keeps the storage); writing into a managed parameter with anything but
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from macroarch.mvas.codecs.formats import FORMATS, dtype_format, get_format, is_fake
+from macroarch.mvas.codecs.formats import dtype_format, get_format, is_fake
+from macroarch.mvas.interop.state_dict import (
+    PAYLOAD_SUFFIX,
+    SCALES_SUFFIX,
+    TensorSnapshot,
+    format_of,
+    is_packed_buffer,
+    registered_parameters,
+    restore_parameters,
+)
 from macroarch.mvas.packed.packed_tensor import PackedTensor, pack
 from macroarch.mvas.packed.weight import MVASWeight
 from macroarch.mvas.plan.policy import PrecisionPlan, TensorPlan
 
-PAYLOAD_SUFFIX = "__mvas_payload"
-SCALES_SUFFIX = "__mvas_scales"
-
-
-def is_packed_buffer(name: str) -> bool:
-    """Whether a state-dict key is the flat payload or scales of a packed tensor (``packed_state_dict``)."""
-    return name.endswith(PAYLOAD_SUFFIX) or name.endswith(SCALES_SUFFIX)
+# the flat packed form and the parameter snapshots live below the store (``interop.state_dict``), where the loaders
+# import them from; they stay importable from here
+__all__ = ["PAYLOAD_SUFFIX", "SCALES_SUFFIX", "MVASStore", "TensorSnapshot", "apply", "format_of",
+           "is_packed_buffer", "registered_parameters", "restore_parameters"]
 
 
 class _Entry:
@@ -93,8 +99,8 @@ class MVASStore:
         module_names: dict[int, str] = {}
         for mname, module in self.model.named_modules(remove_duplicate=False):
             module_names.setdefault(id(module), mname)
-            for attr, p in module._parameters.items():
-                if p is not None and (module, attr) not in owners.setdefault(id(p), []):
+            for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                if (module, attr) not in owners.setdefault(id(p), []):
                     owners[id(p)].append((module, attr))
         names = dict(self.model.named_parameters())
         unknown = [t.name for t in self.plan.tensors if t.name not in names]
@@ -117,7 +123,7 @@ class MVASStore:
             for t, p, weight in staged:
                 keys = [(module_names[id(m)] + "." if module_names[id(m)] else "") + a for m, a in owners[id(p)]]
                 for module, attr in owners[id(p)]:
-                    module._parameters[attr] = weight
+                    module.register_parameter(attr, weight)
                 self.entries[t.name] = _Entry(t.name, weight, owners[id(p)], t, keys)
             self._handles.append(self.model.register_load_state_dict_pre_hook(self._check_load))
         except BaseException:
@@ -276,42 +282,9 @@ class MVASStore:
             for entry in self.entries.values():
                 dense = nn.Parameter(entry.dense(), requires_grad=entry.param.requires_grad)
                 for m, a in entry.owners:
-                    m._parameters[a] = dense
+                    m.register_parameter(a, dense)
         self.entries.clear()
         return self.model
-
-
-def registered_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """``(module, name, parameter)`` for every parameter registered in ``model``, under every module that holds it
-    (tied ones more than once): ``restore_parameters`` puts these very objects back."""
-    return [(m, name, p) for m in model.modules()
-            for name, p in m.named_parameters(recurse=False, remove_duplicate=False)]
-
-
-def restore_parameters(registered: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
-    """Register each parameter of ``registered`` (``registered_parameters``) where it was."""
-    for module, name, p in registered:
-        module._parameters[name] = p
-
-
-class TensorSnapshot:
-    """Copies of tensors that a loader writes in place, to put back bit for bit if the load fails part-way
-    (``restore``): a managed weight's packed storage is cloned and copied back as it is (``MVASWeight.copy_`` of
-    the same format), anything else by value. Each tensor once, however often it is passed."""
-
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        seen: set[int] = set()
-        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for t in tensors:
-                if torch.is_tensor(t) and id(t) not in seen and not is_fake(t):
-                    seen.add(id(t))
-                    self.saved.append((t, t.detach().clone()))
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for t, copy in self.saved:
-            t.copy_(copy)
 
 
 def _unflatten_packed(state_dict: dict[str, Any], keys: list[str], entry: _Entry) -> None:
@@ -338,18 +311,6 @@ def _own_format(p: torch.Tensor) -> str | None:
         return dtype_format(p.dtype).name
     except (KeyError, ValueError):
         return None
-
-
-def format_of(payload: torch.Tensor, scales: torch.Tensor | None, numel: int) -> tuple[str, int | None]:
-    """The (format, block size) a flat packed payload was stored in, from its dtype and the number of scales
-    (one scale: one block covering the tensor, i.e. ``None``)."""
-    for fmt in FORMATS.values():
-        if fmt.storage_dtype == payload.dtype:
-            if not fmt.block_scaled:
-                return fmt.name, None
-            n_scales = 0 if scales is None else scales.numel()
-            return fmt.name, (None if n_scales <= 1 else numel // n_scales)
-    raise ValueError(f"a packed payload of dtype {payload.dtype} matches no MVAS format")
 
 
 def _same_plan(fmt: str, block: int | None, plan: TensorPlan, numel: int) -> bool:

@@ -219,12 +219,10 @@ def locally_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every element of every (local) tensor is finite, with one synchronisation: each tensor's sum, in
     float32 for fp16 (whose own sum would overflow at 65504), then the sum of those sums, read once (inf and NaN
     propagate into a sum, which needs no temporary; a sum that overflows float32, elements near 1e36 and beyond,
-    counts as non-finite). One op per tensor: DGR makes this check before each group steps, and an ``isfinite``
-    per tensor as well doubled its cost (measured: 3076 tensors of a 256-layer model, 65 -> 38 ms per step, one
-    core); the sum of the sums, against ``isfinite().all()`` of them, one op fewer (7 bf16 gradients of 16K
-    elements: 30 -> 21 us, one core). A bf16 tensor is summed as bf16: torch accumulates it in float32 all the
-    same, and bf16 has float32's range, while ``sum(dtype=float32)`` first copies it to float32 (measured, one
-    core: 4M elements 1.6 ms against 0.34). This rank's tensors only."""
+    counts as non-finite). One op per tensor and one more for all of them, no ``isfinite`` per tensor: DGR makes
+    this check before each group steps. A bf16 tensor is summed as bf16: torch accumulates it in float32 all the
+    same, and bf16 has float32's range, while ``sum(dtype=float32)`` would first copy it to float32. What each
+    choice saves: ``docs/benchmarks.md``, "Measurements moved out of docstrings". This rank's tensors only."""
     for t in tensors:
         if t.is_meta or type(t).__name__ == "FakeTensor":
             return True  # fake tensors (full-size memory measurements) have no values to check
@@ -243,10 +241,9 @@ def finite_checked(tensors: Iterable[torch.Tensor | None]) -> Iterator[None]:
     """Within it, ``locally_finite`` (and so ``all_finite``) of these very tensors (their local shards, by identity;
     None skipped) is True without summing them: for a caller that has just checked them and then runs an optimizer
     that checks them again. DGR checks a group's gradients before it clips and steps them, and ``MVASAdamW`` or
-    ``CompensatedAdamW`` would sum the same tensors once more (measured: 2.4 ms of a 184 ms step, 3.25M parameters
-    at 1024 tokens, one core). An in-place change keeps the identity: pass only tensors that stay finite until the
-    optimizer reads them (clipping does; DGR leaves out gradients it unscaled). The agreement across ranks
-    (``agree``) still runs: every rank takes the same path."""
+    ``CompensatedAdamW`` would sum the same tensors once more (its cost: ``docs/benchmarks.md``). An in-place change
+    keeps the identity: pass only tensors that stay finite until the optimizer reads them (clipping does; DGR leaves
+    out gradients it unscaled). The agreement across ranks (``agree``) still runs: every rank takes the same path."""
     held = [local(t) for t in tensors if t is not None]  # alive while the ids are looked up
     token = _CHECKED.set(frozenset(map(id, held)))
     try:

@@ -85,3 +85,25 @@ def test_bad_window_and_timeout(kwargs, match):
 
 def test_mib_is_binary():
     assert MiB == 2**20
+
+
+def test_ddp_bucket_bytes_are_the_buckets_ddp_built():
+    """One rank in this process: with a cap below every parameter, DDP (which never splits a parameter) gives each
+    its own bucket, so the sizes reported are the parameters' bytes, one each (read through ``_compat``'s shim)."""
+    import torch.distributed as dist
+
+    from macroarch.comm import ddp_bucket_bytes
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8, bias=False))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # not a multiple of 8 MiB, on purpose
+            ddp = ddp_with_buckets(model, bucket_mb=16 / MiB)  # 16 bytes: below every parameter
+        for _ in range(2):  # DDP rebuilds its buckets at the second forward, in the order gradients came
+            ddp(torch.randn(4, 16)).sum().backward()
+        sizes = ddp_bucket_bytes(ddp)
+        assert sorted(sizes) == sorted(p.numel() * p.element_size() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,98 @@ def test_the_memtracker_reports_each_storage_once_and_frees_it():
     added = [e for e in events if e[0] is None and e[3] == 4096]
     freed = [e for e in events if e[2] is None and e[1] == 4096]
     assert len(added) == 1 and len(freed) == 1, events
+
+
+# -- one version guard for every shim ---------------------------------------------------------------------------------
+SHIM_DIR = Path(version.__file__).parent
+
+
+def _shim_sources() -> dict[str, str]:
+    return {p.stem: p.read_text() for p in sorted(SHIM_DIR.glob("*.py")) if p.stem not in ("__init__", "version")}
+
+
+@pytest.mark.parametrize("shim", sorted(_shim_sources()))
+def test_every_shim_checks_the_one_range(shim):
+    """Each shim asks ``version.check`` (the range pyproject declares) and keeps no list of releases of its own."""
+    import ast
+
+    tree = ast.parse(_shim_sources()[shim])
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "check" and isinstance(n.func.value, ast.Name) and n.func.value.id == "version"]
+    assert calls, f"macroarch/_compat/{shim}.py never calls version.check"
+    for node in tree.body:
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        releases = value is not None and isinstance(value, ast.Tuple) and any(
+            isinstance(e, ast.Tuple) and all(isinstance(x, ast.Constant) and isinstance(x.value, int) for x in e.elts)
+            for e in value.elts)
+        assert not releases, f"macroarch/_compat/{shim}.py:{node.lineno} lists releases of its own: use version"
+
+
+@pytest.mark.parametrize("release", ["2.12.0", "2.16.0"])
+def test_a_release_on_either_side_of_the_range_warns(monkeypatch, release):
+    """Below the oldest release as above the newest (the subclass shim checked only the oldest, compile none)."""
+    from macroarch._compat import compile as compile_shim
+
+    monkeypatch.setattr(torch, "__version__", release)
+    version.check.cache_clear()
+    subclass.private_aten_ops.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=re.escape(f"torch {release} is outside")):
+            subclass.private_aten_ops()
+        with pytest.warns(RuntimeWarning, match=re.escape(f"torch {release} is outside")):
+            compile_shim.below_autograd()
+    finally:
+        version.check.cache_clear()
+        subclass.private_aten_ops.cache_clear()
+
+
+# -- the shims the audit added: autograd's node order and views, DDP's buckets, the private-named ATen ops ----------
+def test_the_node_order_is_the_engines_and_a_moved_one_is_an_error_that_names_it():
+    x = torch.ones(2, requires_grad=True)
+    first = x.exp()
+    second = first.sum()
+    assert autograd.sequence_nr(second.grad_fn) > autograd.sequence_nr(first.grad_fn)  # made later, runs earlier
+    with pytest.raises(RuntimeError, match=r"needs torch\.autograd\.graph\.Node\._sequence_nr"):
+        autograd.sequence_nr(object())
+
+
+def test_a_view_is_told_from_its_base_and_without_bases_everything_counts_as_one():
+    base = torch.zeros(8)
+    assert autograd.is_view(base[2:4]) and autograd.is_view(base.view(2, 4)) and not autograd.is_view(base)
+    assert not autograd.is_view(base[2:4].clone())
+    autograd._warn_no_views.cache_clear()
+    with pytest.warns(RuntimeWarning, match="has no Tensor._base"):
+        assert autograd.is_view(object()) is True  # copied by the caller: correct, one copy more
+    autograd._warn_no_views.cache_clear()
+
+
+def test_ddps_buckets_without_the_reducer_call_are_an_error_that_names_it():
+    from types import SimpleNamespace
+
+    from macroarch._compat import distributed
+
+    with pytest.raises(RuntimeError, match=r"sizes of DDP's buckets needs torch\.distributed\.Reducer\."):
+        distributed.ddp_bucket_buffers(SimpleNamespace(reducer=object()))
+    buckets = [SimpleNamespace(buffer=lambda n=n: torch.zeros(n)) for n in (3, 5)]
+    ddp = SimpleNamespace(reducer=SimpleNamespace(_get_zeros_like_grad_buckets=lambda: buckets))
+    assert [b.numel() for b in distributed.ddp_bucket_buffers(ddp)] == [3, 5]
+
+
+def test_the_private_named_aten_ops_are_what_casts_and_reshapes_dispatch_as():
+    """A dispatch mode sees ``.to(dtype)`` as the one, and ``reshape`` of a tensor it cannot view (a copy, then this
+    op) as the other."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 4).t()  # not contiguous: reshape cannot view it
+    with Record():
+        x.to(torch.float16)
+        x.reshape(16)
+    ops = subclass.private_aten_ops()
+    assert ops.to_copy in seen and ops.unsafe_view in seen

@@ -364,3 +364,41 @@ def test_moments_with_nan_or_inf_codes_or_bad_scales_are_refused(fmt, code):
     other_opt.load_state_dict(opt.state_dict())  # the good one loads, exactly
     _same_state(_everything(net, opt)[2], _everything(other, other_opt)[2])
     assert other_opt.seed == opt.seed
+
+
+def test_importing_mvas_does_not_import_dynamo():
+    """``torch.compiler.disable`` on ``step`` imports dynamo (most of torch.compile): it is applied on the first call,
+    so ``import macroarch.mvas`` costs no compiler, with MACROARCH_COMPILE=0 or not."""
+    import subprocess
+    import sys
+
+    code = "import sys, macroarch.mvas; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_a_users_torch_compile_runs_the_step_as_it_is():
+    """A training step compiled by the user (dynamo traces it; the eager backend) calls MVASAdamW's step untraced, the
+    first call included: the same weights as the step uncompiled."""
+    x = torch.randn(8, 64)
+
+    def train(compiled: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+        apply(net, plan_from_rules(net, [("*", "fp8")], min_numel=1024))
+        opt = MVASAdamW(net.parameters(), lr=1e-2, seed=1, compile=False)
+
+        def step() -> torch.Tensor:
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        run = torch.compile(step, backend="eager") if compiled else step
+        for _ in range(3):
+            run()
+        return [p.detach().float().clone() for p in net.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)

@@ -16,7 +16,9 @@ and runs eagerly for the rest of the process: the same values, slower.
 **The vector ISA and Inductor's cache.** On CPU the kernels compile with ``cpp.simdlen`` set to the width of the
 vector ISA ATen dispatches to (``torch.backends.cpu.get_cpu_capability()``): the option is part of Inductor's cache
 key, so code generated for one width is never loaded by a process running another (the CPU cache key holds no ISA
-otherwise, and such code writes half its output or past its end).
+otherwise, and such code writes half its output or past its end: ``docs/upstream/inductor-cpu-cache-key-isa.md``).
+And with ``cpp.dynamic_threads``, each call asks OpenMP for the thread count instead of running with the count of
+the process that compiled it (``docs/upstream/inductor-threads-baked-in.md``).
 
 **Guard.** A miscompile on some ISA, compiler or torch release must not corrupt a user's weights silently: the first
 compiled call of each kernel (``signature``: static arguments, dtypes, row lengths) in a process is compared with
@@ -136,9 +138,11 @@ def signature(args: tuple) -> tuple:
 
 
 def _options(args: tuple) -> dict[str, Any]:
-    """Inductor options on CPU: ``cpp.simdlen`` pinned to the ISA's width (module docstring), and
-    ``cpp.dynamic_threads``, so that each call asks OpenMP for the thread count (otherwise the compiling process's
-    count is written into the code, and dynamo's guards do not see ``torch.set_num_threads``)."""
+    """Inductor options on CPU, each a workaround for an Inductor problem drafted as an upstream issue: ``cpp.simdlen``
+    pinned to the ISA's width (``docs/upstream/inductor-cpu-cache-key-isa.md``: the FX-graph cache key holds no ISA),
+    and ``cpp.dynamic_threads``, so that each call asks OpenMP for the thread count
+    (``docs/upstream/inductor-threads-baked-in.md``: otherwise the compiling process's count is written into the
+    code, and dynamo's guards do not see ``torch.set_num_threads``)."""
     if not any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in _leaves(args)):
         return {}
     width = {"AVX512": 512, "AVX2": 256}.get(vec_isa())

@@ -33,23 +33,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from macroarch.mvas.codecs.formats import dtype_format
-from macroarch.mvas.packed.weight import MVASWeight
-from macroarch.mvas.plan.policy import PrecisionPlan, TensorPlan
-from macroarch.mvas.store import (
+from macroarch.mvas.interop.state_dict import (
     PAYLOAD_SUFFIX,
     SCALES_SUFFIX,
-    MVASStore,
     TensorSnapshot,
-    apply,
     format_of,
     registered_parameters,
 )
+from macroarch.mvas.packed.weight import MVASWeight
+from macroarch.mvas.plan.policy import PrecisionPlan, TensorPlan
+
+if TYPE_CHECKING:
+    from macroarch.mvas.store import MVASStore
 
 PACKED_WEIGHTS_NAME = "mvas_model.safetensors"
 """File name ``save_packed`` uses inside a directory: not ``model.safetensors``, so that a dense loader
@@ -139,6 +140,8 @@ def load_packed(model: nn.Module, path: str | os.PathLike, *, strict: bool = Tru
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
+
+    from macroarch.mvas.store import apply  # the store sits above interop: a dense model is put under it on call
 
     path = os.fspath(path)
     if os.path.isdir(path):

@@ -86,6 +86,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from macroarch._compat.subclass import (
     make_wrapper_subclass,
     modes_disabled,
+    private_aten_ops,
     torch_function_disabled,
     writes,
     written_arguments,
@@ -94,6 +95,7 @@ from macroarch.mvas import _kernels
 from macroarch.mvas.codecs.formats import FORMATS, get_format
 from macroarch.mvas.packed.linear import linear
 from macroarch.mvas.packed.packed_tensor import PackedTensor, bad_scales, nonfinite_codes, pack, write_range
+from macroarch.optim.functional import local
 
 __all__ = ["MVASWeight", "shard_problem", "sharding"]
 
@@ -103,10 +105,10 @@ _LINEAR = torch.nn.functional.linear  # the builtin torch._C._nn.linear, as __to
 _SHARE = {aten.detach.default, aten.alias.default, aten.lift_fresh.default}
 _LIKE = {"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like",
          "new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided"}
-_VIEW_LIKE = {aten._unsafe_view.default}  # not flagged as a view, but what reshape of a contiguous tensor is
-# views that may land on whole blocks of the flat storage (dim-0 shards, flattening): FSDP2's chunk, narrow, view
+# views that may land on whole blocks of the flat storage (dim-0 shards, flattening): FSDP2's chunk, narrow, view,
+# and reshape's private-named twin (``private_aten_ops().unsafe_view``, looked up on the first dispatch)
 _STORAGE_VIEWS = {aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.view.default,
-                  aten._unsafe_view.default, aten.as_strided.default}
+                  aten.as_strided.default}
 _PACKED_FACTORIES = {aten.new_zeros.default, aten.new_empty.default}
 _SHARDING = False  # set by ``sharding()`` while FSDP2 shards managed weights
 
@@ -325,9 +327,10 @@ class MVASWeight(torch.Tensor):
         kwargs = kwargs or {}
         first = args[0] if args else None
         if isinstance(first, MVASWeight):
+            private = private_aten_ops()  # _compat.subclass: ops with private names (cast, reshape)
             if func in _SHARE:
                 return first._derived(first.payload, first.scales, first.dtype, first._views, first)
-            if func.is_view or func in _VIEW_LIKE:
+            if func.is_view or func is private.unsafe_view:  # reshape's op is not flagged as a view
                 return first._view(func, args[1:], kwargs)
             if _SHARDING and func in _PACKED_FACTORIES and not first._views:
                 packed = first._packed_factory(args[1], kwargs)
@@ -336,7 +339,7 @@ class MVASWeight(torch.Tensor):
             if func is aten.clone.default and not first._views:
                 scales = None if first.scales is None else first.scales.clone()
                 return first._derived(first.payload.clone(), scales, first.dtype, (), first)
-            if func is aten._to_copy.default:
+            if func is private.to_copy:
                 moved = first._to_copy(kwargs)
                 if moved is not None:
                     return moved
@@ -360,7 +363,8 @@ class MVASWeight(torch.Tensor):
                           outer=(like.shape, like.stride()))
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> MVASWeight | list[MVASWeight]:
-        if func in _STORAGE_VIEWS and not self._views:  # whole blocks of the storage: a weight on a slice of it
+        # whole blocks of the storage: a weight on a slice of it
+        if (func in _STORAGE_VIEWS or func is private_aten_ops().unsafe_view) and not self._views:
             sliced = self._storage_slices(func, args, kwargs)
             if sliced is not None:
                 return sliced
@@ -576,10 +580,11 @@ def _refuse_unaware_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwar
     managed weight (it would write dense values into packed storage, or crash in a fused kernel)."""
     if getattr(optimizer, "supports_mvas_weights", False):
         return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if type(getattr(p, "_local_tensor", p)) is MVASWeight:  # a DTensor (FSDP2) holds its shard locally
-                raise TypeError(_unaware_message(f"{type(optimizer).__module__}.{type(optimizer).__name__}", p))
+    with torch.no_grad():  # a DTensor's to_local() then returns its shard as it is, no autograd node
+        shards = [local(p) for group in optimizer.param_groups for p in group["params"]]
+    for p in shards:
+        if type(p) is MVASWeight:  # a DTensor (FSDP2) holds its shard locally
+            raise TypeError(_unaware_message(f"{type(optimizer).__module__}.{type(optimizer).__name__}", p))
 
 
 @contextlib.contextmanager

@@ -11,12 +11,10 @@ backward, ``autograd.grad(grad, params, grad_outputs=z)``, which costs about two
 the graph of the first backward alive (roughly 2-3x the memory of a plain backward).
 
 The sum over j runs over *every* parameter the probe touches, so with one probe over the whole model the
-diagonal of a small tensor drowns in the off-diagonal mass of all the others (on the tiny Llama at init,
-10% elementwise error would take ~1e7-1e8 probes; per-tensor means 1e2-1e6). ``per_tensor=True`` probes
+diagonal of a small tensor drowns in the off-diagonal mass of all the others. ``per_tensor=True`` probes
 one tensor at a time (z zero elsewhere), which estimates the same diagonal with only that tensor's own
-off-diagonal terms in the variance (a norm weight there: one probe; lm_head: ~400), at one double
-backward per tensor per probe instead of one per probe (there, on one CPU core: 19 ms per probe over its
-21 tensors against 4 ms).
+off-diagonal terms in the variance, at one double backward per tensor per probe instead of one per probe
+(probe counts and costs on the tiny Llama: ``docs/benchmarks.md``, "Measurements moved out of docstrings").
 
 The Fisher diagonal is the cheap default: an EMA of squared gradients, read from ``.grad`` after the
 training step's own backward, so it costs one multiply-add per element. It is the *empirical* Fisher

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,7 +43,9 @@ from macroarch.mvas.plan.policy import (
     packable,
     plan_for_budget,
 )
-from macroarch.mvas.store import MVASStore
+
+if TYPE_CHECKING:
+    from macroarch.mvas.store import MVASStore  # the schedule works on a store, which sits above plan/
 
 
 @torch.no_grad()

@@ -200,3 +200,23 @@ def test_a_direct_payload_write_marked_as_such_stops_a_stale_backward():
     w.mark_written()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_an_unaware_optimizer_is_refused_on_a_dtensor_of_a_managed_weight():
+    """FSDP2's parameters are DTensors whose local shard is the ``MVASWeight``: torch's AdamW is refused with the
+    error that names MVASAdamW and the shard's format (it failed with an AttributeError on the DTensor instead)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = MVASWeight.from_packed(pack(torch.randn(64, 64), "fp8_e4m3", 32), torch.float32)
+        p = nn.Parameter(DTensor.from_local(weight, mesh, [Replicate()], run_check=False))
+        p.grad = DTensor.from_local(torch.zeros(64, 64), mesh, [Replicate()], run_check=False)
+        with pytest.raises(TypeError, match=r"AdamW cannot update an MVAS-managed weight: it is stored packed "
+                                            r"\(fp8_e4m3, \(64, 64\)\).*MVASAdamW"):
+            torch.optim.AdamW([p]).step()
+    finally:
+        dist.destroy_process_group()
