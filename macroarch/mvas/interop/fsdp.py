@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from macroarch.mvas.packed.weight import MVASWeight, shard_problem, sharding
+from macroarch.optim.functional import local
 
 __all__ = ["check_shardable", "fully_shard", "local_tensor", "shard_problem", "sharding"]
 
@@ -69,5 +70,7 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """The rank's own tensor of a parameter: a DTensor's local shard (an ``MVASWeight`` for a managed weight), or
-    the parameter itself."""
-    return getattr(p, "_local_tensor", p)
+    the parameter itself. Read without autograd: ``DTensor.to_local()`` then hands back the shard itself, not a
+    differentiable view of it."""
+    with torch.no_grad():
+        return local(p)
