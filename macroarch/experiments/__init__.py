@@ -10,5 +10,7 @@
   ``comm_bucketing`` (07), ``convergence_recipe`` (08), ``hardware_speedups`` (09), ``applications`` (10),
   ``clip`` (11): the runs, the numbers the verdict reads, the figures and the verdict's texts.
 
-Harnesses never import the reproduction layer: a notebook passes its tracking run in and grades the claim.
+Harnesses never import the reproduction layer, not even inside a function (``tests/test_imports.py`` holds every
+layer to the ones below it): a notebook passes its tracking run in, and whatever else a harness needs of the claim
+(a target to draw), and grades the claim.
 """

@@ -10,7 +10,9 @@ function takes the notebook's :class:`GradientExplosionSettings`.
   in float64, one set per seed (:func:`stack_profiles`); the gradient norm reaching each layer's output, its
   fitted log-growth rate against depth counted from the output (``log(sigma)`` exactly for the linear stack),
   and for tanh the RMS log singular value of evenly spaced layer Jacobians along the real forward
-  (:func:`jacobian_log_rate`). The graded relative errors are per seed, then a t interval over seeds.
+  (:func:`jacobian_log_rate`). Graded: the linear stacks' relative rate error, an identity (float64 rounding,
+  its worst over the seeds, labelled so), and the tanh stacks' signed ``fitted rate / log(sigma)`` on each side of
+  sigma = 1 (vanishing, growth), per seed, then a t interval over seeds (the ratio can be near 0 or negative).
   :func:`transformer_profiles`: the same rate in a pre-LN (GPT-2 style) and a post-LN (BERT) model at init
   (first seed; not graded).
 - **C3** :func:`clipping_sweep`: a small BERT MLM trained with clipping at each threshold under
@@ -18,12 +20,14 @@ function takes the notebook's :class:`GradientExplosionSettings`.
   clipping through the project's one training loop (``experiments.loop.train_lm``), AdamW and SGD with
   BERT's warmup + linear decay; steps to the loss where the unclipped run ends. The sweep runs at the first
   seed; :func:`clipping_seeds` repeats the graded cell (AdamW, clip 1.0, clipped and unclipped sharing
-  initialisation, batches and dropout seed) at every seed. :func:`bert_large_probe`: the probe for a few steps
+  initialisation, batches and dropout seed) at every seed: the reduction a t interval over seeds, the slowdown (a
+  ratio) a geometric mean with a t interval on the logs. :func:`bert_large_probe`: the probe for a few steps
   at BERT-large's shape.
 - **R1** :func:`residual_seeds`: the same small decoder trained with HC and mHC connections (and residual at the
   first seed, the reference) through ``train_lm``, the kinds of one seed sharing initial draws and batches;
   gradient norm before each step, composite gain of the mixing matrices every ``gain_every`` steps, validation
-  loss by ``evaluate_lm``. Graded per seed: mHC's peak gain and HC's over mHC's.
+  loss by ``evaluate_lm``. Graded per seed: mHC's peak gain (a t interval) and HC's over mHC's (a ratio: the
+  geometric mean with a t interval on the logs).
 
 Global RNG: :func:`transformer_profiles` and :func:`train_residual` seed it (as the notebook always did);
 everything else draws from its own generators or inside ``fork_rng``, except the BERT-large probe's dropout,
@@ -40,6 +44,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatterSciNotation, MaxNLocator
 from torch import nn
 
 from macroarch._progress import tqdm
@@ -55,7 +60,7 @@ from macroarch.measure.gradients import (
     fit_growth_rate,
     layer_jacobian_singular_values,
 )
-from macroarch.measure.stats import Estimate, Repeated, mean_interval
+from macroarch.measure.stats import Estimate, Repeated, geomean_interval, mean_interval
 from macroarch.models import (
     HCTransformerLM,
     bert_large_config,
@@ -125,7 +130,7 @@ class GradientExplosionSettings(Settings):
     c3_seeds: int
     """Seeds of the graded cell (AdamW, clip 1.0, clipped vs unclipped): the reduction's and slowdown's n."""
     c2_seeds: int
-    """Seeds of the controlled stacks (weights, inputs and output gradient): the relative errors' n."""
+    """Seeds of the controlled stacks (weights, inputs and output gradient): the graded numbers' n."""
     seed: int = 0
     """The first seed (weights, batches and dropout)."""
     corpus: str = "stdlib"
@@ -133,8 +138,8 @@ class GradientExplosionSettings(Settings):
     threads: int = 1
     """Torch threads."""
     sigmas: tuple[float, ...] = (0.9, 1.0, 1.1)
-    """Every singular value of every weight of a stack; at least one other than 1 (the rate error divides by
-    log(sigma))."""
+    """Every singular value of every weight of a stack; at least one below 1 and one above 1 (C2's tanh stacks are
+    graded on each side; the rates are divided by log(sigma))."""
     stack_width: int = 64
     """Width of the controlled stacks."""
     stack_batch: int = 32
@@ -162,8 +167,8 @@ class GradientExplosionSettings(Settings):
         self._fraction("warmup_fraction")
         self._device()
         self._non_empty("sigmas", "c3_thresholds")
-        if all(s == 1.0 for s in self.sigmas) or any(not s > 0 for s in self.sigmas):
-            self._fail("sigmas", "positive numbers, at least one other than 1")
+        if any(not s > 0 for s in self.sigmas) or not all(_side(self.sigmas, side) for side in SIDES):
+            self._fail("sigmas", "positive numbers, at least one below 1 and one above 1 (C2 grades both sides)")
         if GRADED_CLIP not in self.c3_thresholds:
             self._fail("c3_thresholds", f"a list that includes {GRADED_CLIP}, the threshold C3 is graded at")
         if self.jacobian_layers > self.stack_depth:
@@ -175,6 +180,16 @@ class GradientExplosionSettings(Settings):
 
 def _key(sigma: float) -> str:
     return f"sigma{sigma:g}".replace(".", "p")  # metric names carry no dots
+
+
+SIDES = {"vanishing": "sigma < 1", "growth": "sigma > 1"}
+"""C2's tanh stacks are graded per side of sigma = 1: ``mlp_<side>_rate_ratio``."""
+
+
+def _side(sigmas, side: str) -> list[float]:
+    if side not in SIDES:
+        raise ValueError(f"side {side!r}: expected one of {list(SIDES)}")
+    return [s for s in sigmas if (s < 1.0 if side == "vanishing" else s > 1.0)]
 
 
 def _from_output(norms: torch.Tensor) -> torch.Tensor:
@@ -198,6 +213,11 @@ class StackProfiles:
     def rel_error(self, kind: str) -> float:
         """Worst ``|rate - log(sigma)| / |log(sigma)|`` over the sigmas other than 1."""
         return max(abs(self.fits[kind, s].rate - math.log(s)) / abs(math.log(s)) for s in self.sigmas if s != 1.0)
+
+    def rate_ratio(self, kind: str, side: str) -> float:
+        """Fitted per-layer rate / ``log(sigma)``, the mean over the sigmas on ``side`` of 1 (``"vanishing"``: below,
+        ``"growth"``: above). Signed: 1 is the exponential law, 0 is norms flat in depth, below 0 the other way."""
+        return float(np.mean([self.fits[kind, s].rate / math.log(s) for s in _side(self.sigmas, side)]))
 
 
 def jacobian_log_rate(stack: nn.Sequential, x: torch.Tensor, n_layers: int) -> float:
@@ -251,21 +271,38 @@ class StackSeeds:
         """Per seed, the worst relative error of the fitted rate over the sigmas (:meth:`StackProfiles.rel_error`)."""
         return [p.rel_error(kind) for p in self.profiles]
 
+    def rate_ratios(self, side: str) -> list[float]:
+        """Per seed, the tanh stacks' fitted rate / log(sigma) on ``side`` (:meth:`StackProfiles.rate_ratio`)."""
+        return [p.rate_ratio("mlp", side) for p in self.profiles]
+
     def estimates(self) -> dict[str, Estimate]:
-        """The graded relative errors: t intervals over the per-seed values."""
-        return {key: mean_interval(self.rel_errors(kind), method="t interval over seeds")
-                for key, kind in (("rate_rel_error", "linear"), ("mlp_rate_rel_error", "mlp"))}
+        """The graded numbers: the linear stacks' relative error (an identity: its worst over the seeds), and the
+        tanh stacks' signed rate ratio on each side of sigma = 1 (t intervals over the seeds)."""
+        return {key: r.estimate() for key, r in self.repeated().items()}
 
     def repeated(self) -> dict[str, Repeated]:
         """The graded estimates' per-seed values, for ``claims.regrade_leaving_out``."""
-        return {key: Repeated(mean_interval, (self.rel_errors(kind),), options={"method": "t interval over seeds"})
-                for key, kind in (("rate_rel_error", "linear"), ("mlp_rate_rel_error", "mlp"))}
+        return {"rate_rel_error": Repeated(identity_error, (self.rel_errors("linear"),)),
+                **{f"mlp_{side}_rate_ratio": Repeated(mean_interval, (self.rate_ratios(side),),
+                                                      options={"method": "t interval over seeds"})
+                   for side in SIDES}}
 
     def rows(self) -> list[dict[str, float]]:
-        """One row per seed: the graded errors and each fitted rate."""
-        return [{"seed": seed, "rate_rel_error": p.rel_error("linear"), "mlp_rate_rel_error": p.rel_error("mlp"),
+        """One row per seed: the graded numbers and each fitted rate."""
+        return [{"seed": seed, "rate_rel_error": p.rel_error("linear"),
+                 **{f"mlp_{side}_rate_ratio": p.rate_ratio("mlp", side) for side in SIDES},
                  **{f"{kind}_rate_{_key(sigma)}": fit.rate for (kind, sigma), fit in p.fits.items()}}
                 for seed, p in zip(self.seeds, self.profiles)]
+
+
+def identity_error(per_seed: list[float]) -> Estimate:
+    """The linear stacks' relative rate error: not a sampled quantity but an identity (a linear stack's gradient is
+    its weights' product, so the fitted rate is log(sigma) up to float64 rounding). Reported as the worst over the
+    seeds, a point with a zero-width interval, and labelled as what it is."""
+    worst = float(max(per_seed))
+    return Estimate(worst, worst, worst, n=len(per_seed),
+                    method="identity (a linear stack's gradient is its weights' product): float64 rounding, worst "
+                           "over seeds")
 
 
 def stack_seeds(settings: GradientExplosionSettings) -> StackSeeds:
@@ -335,14 +372,18 @@ def c2_metrics(stacks: StackSeeds, transformers: TransformerProfiles) -> dict[st
 
 def c2_table(stacks: StackSeeds, transformers: TransformerProfiles) -> str:
     first = stacks.first
-    rows = [("stack", "sigma", "log(sigma)", "fitted rate (seed 1)", "stderr", "Jacobian RMS log-sv")]
+    rows = [("stack", "sigma", "log(sigma)", "fitted rate (first seed)", "stderr", "rate / log(sigma)",
+             "Jacobian RMS log-sv")]
     for (kind, sigma), fit in first.fits.items():
-        jr = f"{first.jacobian_rate[sigma]:+.5f}" if kind == "mlp" else "-"
-        rows.append((kind, sigma, f"{math.log(sigma):+.5f}", f"{fit.rate:+.5f}", f"{fit.rate_stderr:.1e}", jr))
+        jr = f"{first.jacobian_rate[sigma]:+.5f}" if kind == "mlp" and sigma in first.jacobian_rate else "-"
+        ratio = f"{fit.rate / math.log(sigma):+.4f}" if sigma != 1.0 else "-"
+        rows.append((kind, sigma, f"{math.log(sigma):+.5f}", f"{fit.rate:+.5f}", f"{fit.rate_stderr:.1e}", ratio, jr))
     e = stacks.estimates()
     lines = [format_table(rows), "",
-             f"worst relative rate error over the sigmas, {len(stacks.seeds)} seeds: linear "
-             f"{e['rate_rel_error'].describe(3)}; tanh {e['mlp_rate_rel_error'].describe(3)}", ""]
+             f"linear stacks, worst relative rate error over the sigmas and {len(stacks.seeds)} seeds: "
+             f"{e['rate_rel_error'].describe(2)}",
+             *(f"tanh stacks, {SIDES[side]}: fitted rate / log(sigma) {e[f'mlp_{side}_rate_ratio'].describe(3)}"
+               for side in SIDES), ""]
     for name, norms in transformers.norms.items():
         fit = transformers.fits[name]
         lines.append(f"{name:<22} per-layer rate {fit.rate:+.5f} +- {fit.rate_stderr:.1e} (r2 {fit.r2:.2f}); "
@@ -353,50 +394,86 @@ def c2_table(stacks: StackSeeds, transformers: TransformerProfiles) -> str:
 def _interval_bar(ax, x: float, e: Estimate, **style) -> None:
     """The estimate as a point with its interval as an error bar (none drawn when it has no interval)."""
     err = None if not e.has_interval else [[e.value - e.low], [e.high - e.value]]
-    ax.errorbar([x], [e.value], yerr=err, fmt="D", capsize=5, ms=7, **style)
+    ax.errorbar([x], [e.value], yerr=err, fmt="D", capsize=5, ms=6, zorder=3, **style)
 
 
-def plot_c2(stacks: StackSeeds, transformers: TransformerProfiles) -> Figure:
-    """Depth profiles of the first seed (linear, tanh, transformers) and the graded relative errors per seed with
-    their mean and 90% interval against the targets."""
+def _per_seed(ax, x: float, values, label: str | None = None) -> None:
+    ax.plot(np.full(len(values), x) + np.linspace(-0.12, 0.12, len(values)), values, "o", color="grey", ms=4,
+            alpha=0.7, label=label)
+
+
+class _PlainLogLabels(LogFormatterSciNotation):
+    """Log-axis tick labels as plain numbers (``0.4``, ``2``), where matplotlib would write ``4 x 10^-1``."""
+
+    def __call__(self, x, pos=None):
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
+def _tidy_log(ax) -> None:
+    """A log y axis that spans under a decade reads better linear; up to two decades, with plain-number labels
+    (matplotlib then labels the minor ticks in scientific notation, which crowds the axis)."""
+    lo, hi = ax.get_ylim()
+    if hi < 10 * lo:
+        ax.set_yscale("linear")
+    elif hi < 100 * lo:
+        ax.yaxis.set_major_formatter(_PlainLogLabels())
+        ax.yaxis.set_minor_formatter(_PlainLogLabels(labelOnlyBase=False))
+
+
+def _below(ax, ncol: int = 1, pad: float = 0.2) -> None:
+    """The axes' legend under its x label: it covers nothing."""
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -pad), ncol=ncol)
+
+
+def plot_c2(stacks: StackSeeds, transformers: TransformerProfiles, claim) -> Figure:
+    """Depth profiles of the first seed (linear, tanh, transformers) and the graded rate ratios per seed with their
+    mean and 90% interval against the post's law (the linear stacks' identity beside them). ``claim`` is the
+    registry's C2 (the notebook passes ``get_claim("C2")``): its targets are drawn as graded."""
     first = stacks.first
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8), gridspec_kw=dict(width_ratios=[1, 1, 1, 0.8]))
-    for ax, kind in zip(axes[:2], ("linear", "mlp")):
+    fig, axes = plt.subplots(2, 2, figsize=(8, 8.4))
+    for ax, kind in zip(axes[0], ("linear", "mlp")):
         for sigma in first.sigmas:
             norms = first.norms[kind, sigma].numpy()
             k = np.arange(len(norms) - 1, -1, -1)
             rate = first.fits[kind, sigma].rate
-            ax.semilogy(k, norms, ".", ms=3, label=f"sigma={sigma}: measured, rate {rate:+.4f}")
-            ax.semilogy(k, norms[-1] * sigma ** k.astype(float), "-", lw=0.8, color=ax.lines[-1].get_color(),
-                        alpha=0.6, label=f"sigma={sigma}: sigma^k")
-        ax.set_xlabel("layers between the block and the loss (k)")
-        ax.set_ylabel("gradient norm at the block's output")
-        ax.set_title(f"{'linear' if kind == 'linear' else 'tanh'} stack, depth {first.depth}, width {first.width}\n"
-                     f"(seed {stacks.seeds[0]})", fontsize=10)
-        ax.legend(fontsize=7, loc="best")
+            dots, = ax.semilogy(k, norms, ".", ms=3, label=f"sigma {sigma:g}: {rate:+.4f} per layer")
+            ax.semilogy(k, norms[-1] * sigma ** k.astype(float), "-", lw=0.8, color=dots.get_color(), alpha=0.6)
+        ax.plot([], [], "-", color="grey", lw=0.8, label="lines: sigma^k (the law)")
+        ax.set_xlabel("layers between block and loss (k)")
+        ax.set_ylabel("gradient norm at block output")
+        ax.set_title(f"{'linear' if kind == 'linear' else 'tanh'} stack, seed {stacks.seeds[0]}\n"
+                     f"depth {first.depth}, width {first.width}", fontsize=10)
+        _below(ax)
+    ax = axes[1, 0]
     for name, norms in transformers.norms.items():
-        axes[2].semilogy(np.arange(len(norms))[::-1], norms.numpy(), ".-", ms=3,
-                         label=f"{name}: rate {transformers.fits[name].rate:+.4f}")
-    axes[2].set_xlabel("blocks between the block and the loss")
-    axes[2].set_ylabel("mean gradient norm at the block's output")
-    axes[2].set_title(f"residual transformers at init\n{transformers.layers} layers, width {transformers.width}",
-                      fontsize=10)
-    axes[2].legend(fontsize=7, loc="best")
-    ax = axes[3]
+        ax.semilogy(np.arange(len(norms))[::-1], norms.numpy(), ".-", ms=3,
+                    label=f"{name}: rate {transformers.fits[name].rate:+.4f}")
+    _tidy_log(ax)
+    ax.set_xlabel("blocks between block and loss")
+    ax.set_ylabel("mean gradient norm at block output")
+    ax.set_title(f"residual transformers at init\n{transformers.layers} layers, width {transformers.width}",
+                 fontsize=10)
+    _below(ax)
+    ax = axes[1, 1]
     e = stacks.estimates()
-    for x, (key, kind, target) in enumerate((("rate_rel_error", "linear", 0.10), ("mlp_rate_rel_error", "mlp", 0.25))):
-        errs = stacks.rel_errors(kind)
-        ax.plot(np.full(len(errs), x) + np.linspace(-0.12, 0.12, len(errs)), errs, "o", color="grey", ms=4,
-                alpha=0.7, label="per seed" if x == 0 else None)
-        _interval_bar(ax, x, e[key], color="C3", label=f"mean, 90% interval (n={e[key].n})" if x == 0 else None)
-        ax.plot([x - 0.3, x + 0.3], [target] * 2, "k--", lw=1, label="post's bound" if x == 0 else None)
-        ax.text(x + 0.32, target, f"<= {target:g}", va="center", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_xticks([0, 1], ["linear", "tanh"])
-    ax.set_xlim(-0.5, 1.8)
-    ax.set_ylabel("|fitted rate - log(sigma)| / |log(sigma)|\n(worst over the sigmas)")
-    ax.set_title("graded: relative rate error", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    target = claim.target_for("mlp_growth_rate_ratio")
+    ax.axhspan(target.lo, target.hi, color="C2", alpha=0.15, label=f"post's law: {target.lo:g}-{target.hi:g}")
+    ax.axhspan(*target.no_effect, color="grey", alpha=0.25, label=f"no effect: {target.band_text()}")
+    linear = [np.mean([p.fits["linear", s].rate / math.log(s) for s in p.sigmas if s != 1.0]) for p in stacks.profiles]
+    _per_seed(ax, 0, linear, label=f"per seed ({len(stacks.seeds)})")
+    for x, side in enumerate(SIDES, start=1):
+        _per_seed(ax, x, stacks.rate_ratios(side))
+        est = e[f"mlp_{side}_rate_ratio"]
+        _interval_bar(ax, x, est, color="C3", label=f"mean, 90% t interval (n={est.n})" if x == 1 else None)
+    ax.axhline(1, color="k", lw=0.6)
+    ax.axhline(0, color="k", lw=0.6, ls=":")
+    ax.plot([], [], " ", label=f"linear: relative error {e['rate_rel_error'].value:.1e} (identity)")
+    ax.set_xticks([0, 1, 2], ["linear", *(f"tanh\n{SIDES[side]}" for side in SIDES)])
+    ax.set_xlim(-0.5, 2.5)
+    ax.set_xlabel("stack")
+    ax.set_ylabel("fitted rate / log(sigma)")
+    ax.set_title("graded: rate ratio over seeds", fontsize=10)
+    _below(ax, pad=0.28)
     fig.tight_layout()
     return fig
 
@@ -406,17 +483,20 @@ def c2_texts(stacks: StackSeeds, transformers: TransformerProfiles, corpus: str)
     first = stacks.first
     top = max(first.sigmas)
     e = stacks.estimates()
+    jacobian = (f", Jacobian RMS log-sv {first.jacobian_rate[top]:+.4f}" if top in first.jacobian_rate else "")
     return dict(
         scale=(f"orthogonal x sigma stacks (depth {first.depth}, width {first.width}, float64, {len(stacks.seeds)} "
                f"seeds); transformers {transformers.layers} layers x {transformers.width} at init on the {corpus} "
                "corpus"),
-        measured_text=(f"linear stacks: per-layer growth rate = log(sigma), relative error "
-                       f"{e['rate_rel_error'].describe(2)}; tanh stacks: rate off log(sigma), relative error "
-                       f"{e['mlp_rate_rel_error'].describe(3)}"),
-        note=(f"tanh stacks follow their Jacobians' RMS singular values, not the weights' sigma "
-              f"(sigma {top:g}, first seed: rate {first.fits['mlp', top].rate:+.4f} vs log(sigma) "
-              f"{math.log(top):+.4f}, Jacobian {first.jacobian_rate[top]:+.4f}); residual transformers: pre-LN rate "
-              f"{transformers.fits[PRE_LN].rate:+.4f}, post-LN {transformers.fits[POST_LN].rate:+.4f} per layer"),
+        measured_text=(f"linear stacks: per-layer growth rate = log(sigma), an identity (the gradient is the weights' "
+                       f"product), so its relative error is float64 rounding, not a sampled quantity: "
+                       f"{e['rate_rel_error'].describe(2)}; tanh stacks, fitted rate / log(sigma): "
+                       + "; ".join(f"{SIDES[side]} {e[f'mlp_{side}_rate_ratio'].describe(4)}" for side in SIDES)),
+        note=(f"tanh stacks follow their Jacobians' RMS singular values, not the weights' sigma (sigma {top:g}, first "
+              f"seed: rate {first.fits['mlp', top].rate:+.4f} vs log(sigma) {math.log(top):+.4f}{jacobian}): "
+              f"tanh' <= 1 shrinks every layer's Jacobian below the weights' sigma; "
+              f"residual transformers: pre-LN rate {transformers.fits[PRE_LN].rate:+.4f}, post-LN "
+              f"{transformers.fits[POST_LN].rate:+.4f} per layer"),
     )
 
 
@@ -559,7 +639,7 @@ class ClippingSeed:
 
 @dataclass(frozen=True)
 class ClippingSeeds:
-    """The graded cell at every seed; the graded numbers are t intervals over the per-seed values."""
+    """The graded cell at every seed; the graded numbers are over the per-seed values (:meth:`estimates`)."""
 
     runs: tuple[ClippingSeed, ...]
 
@@ -572,15 +652,16 @@ class ClippingSeeds:
         return [r.slowdown for r in self.runs]
 
     def estimates(self) -> dict[str, Estimate]:
-        return {"effective_lr_reduction": mean_interval(self.reductions, method="t interval over seeds"),
-                "convergence_slowdown": mean_interval(self.slowdowns, method="t interval over seeds", unit="x")}
+        """The reduction (a difference: a linear t interval) and the slowdown (a ratio of step counts: the
+        geometric mean with a t interval on the logs, which cannot reach below zero)."""
+        return {key: r.estimate() for key, r in self.repeated().items()}
 
     def repeated(self) -> dict[str, Repeated]:
         """The graded estimates' per-seed values, for ``claims.regrade_leaving_out``."""
         return {"effective_lr_reduction": Repeated(mean_interval, (self.reductions,),
                                                    options={"method": "t interval over seeds"}),
-                "convergence_slowdown": Repeated(mean_interval, (self.slowdowns,),
-                                                 options={"method": "t interval over seeds", "unit": "x"})}
+                "convergence_slowdown": Repeated(geomean_interval, (self.slowdowns,),
+                                                 options={"method": "t interval over seeds"})}
 
     def rows(self) -> list[dict[str, float]]:
         return [{"seed": r.seed, "effective_lr_reduction": r.effective_lr_reduction, "convergence_slowdown": r.slowdown,
@@ -671,54 +752,68 @@ def bert_large_probe(text, settings: GradientExplosionSettings) -> LargeProbe | 
     return LargeProbe(trace, count_parameters(model))
 
 
-def plot_c3(sweep: ClippingSweep, seeds: ClippingSeeds) -> Figure:
+def plot_c3(sweep: ClippingSweep, seeds: ClippingSeeds, claim) -> Figure:
     """The first seed's update ratios (AdamW, SGD) and AdamW losses, and the graded reduction and slowdown per seed
-    with their mean and 90% interval against the post's targets."""
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
-    for name, ax in zip(OPTIMIZERS, axes[0]):
+    with their estimate and 90% interval against the post's targets (``claim``: the registry's C3, passed by the
+    notebook)."""
+    fig, axes = plt.subplot_mosaic([["AdamW", "AdamW", "SGD", "SGD"], ["loss", "loss", "reduction", "slowdown"]],
+                                   figsize=(7.6, 9.4))
+    reduction_t = claim.target_for("effective_lr_reduction")
+    for name in OPTIMIZERS:
+        ax = axes[name]
         for c in sweep.thresholds:
             t = sweep.traces[name, c]
             smooth = np.convolve(t.update_ratio, np.ones(WINDOW) / WINDOW, mode="valid")
             ax.plot(np.arange(len(smooth)) + WINDOW - 1, smooth, lw=1,
-                    label=f"clip {c}: {t.summary()['clip_fraction']:.0%} clipped, "
+                    label=f"clip {c:g}: {t.summary()['clip_fraction']:.0%} clipped, "
                           f"reduction {t.summary()['effective_lr_reduction']:+.0%}")
         ax.axhline(1, color="k", lw=0.6)
-        ax.axhspan(1 - 0.35, 1 - 0.27, color="grey", alpha=0.2, label="post: 27-35% reduction")
-        ax.set(title=f"{name} (seed {sweep_seed(seeds)}): ||clipped update|| / ||unclipped update||\n"
-                     f"({WINDOW}-step mean)", xlabel="step", ylabel="update-norm ratio (clipped / unclipped)")
+        ax.axhspan(1 - reduction_t.hi, 1 - reduction_t.lo, color="grey", alpha=0.2,
+                   label=f"post: {reduction_t.lo:.0%}-{reduction_t.hi:.0%} reduction")
+        ax.set(title=f"{name}, seed {sweep_seed(seeds)}:\nupdate norm clipped / unclipped", xlabel="step",
+               ylabel=f"update-norm ratio ({WINDOW}-step mean)")
         ax.title.set_fontsize(10)
-        ax.legend(fontsize=7, loc="best")
-    ax = axes[1, 0]
+        _below(ax, pad=0.16)
+    ax = axes["loss"]
     for c in sweep.thresholds:
-        ax.plot(sweep.traces["AdamW", c].loss, lw=0.7, label=f"AdamW, clip {c}")
+        ax.plot(sweep.traces["AdamW", c].loss, lw=0.7, label=f"AdamW, clip {c:g}")
     ax.plot(sweep.unclipped["AdamW"], lw=0.7, color="k", label="AdamW, no clipping")
     ax.axhline(sweep.target["AdamW"], color="k", ls=":", lw=0.8, label=f"target {sweep.target['AdamW']:.3f}")
-    ax.set(title=f"MLM loss (seed {sweep_seed(seeds)})", xlabel="step", ylabel="MLM loss (nats/byte)", yscale="log")
+    ax.set(title=f"MLM loss, seed {sweep_seed(seeds)}", xlabel="step", ylabel="MLM loss (nats/byte)")
     ax.title.set_fontsize(10)
-    ax.legend(fontsize=7, loc="upper right")
-    ax = axes[1, 1]
+    _below(ax, ncol=1, pad=0.16)
     e = seeds.estimates()
-    panels = (("effective_lr_reduction", seeds.reductions, (0.27, 0.35), "reduction 27-35%"),
-              ("convergence_slowdown", seeds.slowdowns, (1.1, None), "slowdown >= 1.1"))
-    twin = ax.twinx()
-    for x, (key, values, (lo, hi), text) in enumerate(panels):
-        a = ax if x == 0 else twin
-        a.plot(np.full(len(values), x) + np.linspace(-0.1, 0.1, len(values)), values, "o", color="grey", ms=4,
-               alpha=0.7, label="per seed" if x == 0 else None)
-        _interval_bar(a, x, e[key], color="C3", label=f"mean, 90% interval (n={e[key].n})" if x == 0 else None)
-        if hi is None:
-            a.plot([x - 0.3, x + 0.3], [lo] * 2, "k--", lw=1)
+    slowdown_t = claim.target_for("convergence_slowdown")
+    for key, values, t, what in (("effective_lr_reduction", seeds.reductions, reduction_t, "LR reduction"),
+                                 ("convergence_slowdown", seeds.slowdowns, slowdown_t, "slowdown")):
+        ax = axes["reduction" if key == "effective_lr_reduction" else "slowdown"]
+        _per_seed(ax, 0, values, label=f"per seed ({len(values)})")
+        _interval_bar(ax, 0, e[key], color="C3", label=f"estimate, 90% interval (n={e[key].n})")
+        ax.axhspan(*t.no_effect, color="grey", alpha=0.25, label="no effect" if key == "convergence_slowdown" else None)
+        if t.hi is None:
+            ax.axhline(t.lo, color="C2", ls="--", lw=1.2, label=f"post: slowdown >= {t.lo:g}x")
         else:
-            a.fill_between([x - 0.3, x + 0.3], lo, hi, color="grey", alpha=0.25, label="post's target")
-        a.text(x, 1.02, f"post: {text}", transform=a.get_xaxis_transform(), ha="center", fontsize=8)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_xticks([0, 1], ["effective LR reduction\n(left axis)", "convergence slowdown\n(right axis)"])
-    ax.set_xlim(-0.6, 1.6)
-    ax.set_ylabel("1 - mean update-norm ratio (AdamW, clip 1.0)")
-    twin.set_ylabel("steps to target, clipped / unclipped (x)")
-    ax.set_title("graded, over seeds", fontsize=10, pad=18)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)  # below the axes: covers nothing
-    fig.tight_layout(h_pad=2.5)
+            ax.axhspan(t.lo, t.hi, color="C2", alpha=0.2, label=f"post: {t.lo:.0%}-{t.hi:.0%} reduction")
+        ax.set_xticks([0], [what])
+        ax.set_xlim(-0.5, 0.5)
+        ax.set_xlabel("AdamW, clip 1")
+    axes["reduction"].set_ylabel("1 - mean update-norm ratio")
+    axes["slowdown"].set_ylabel("steps to target, clipped / unclipped (x)")
+    for key in ("reduction", "slowdown"):
+        axes[key].set_title("graded", fontsize=10)
+    handles, labels = [], []
+    for key in ("reduction", "slowdown"):
+        for h, lab in zip(*axes[key].get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.tight_layout(h_pad=1.5, rect=(0, 0.1, 1, 1))
+    # under both graded panels, in figure coordinates (an axes legend this wide would squeeze them in the layout)
+    renderer = fig.canvas.get_renderer()
+    below = min(axes[k].get_tightbbox(renderer).transformed(fig.transFigure.inverted()).y0
+                for k in ("reduction", "slowdown"))
+    x = (axes["reduction"].get_position().x0 + axes["slowdown"].get_position().x1) / 2
+    fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(x, below - 0.01), ncol=1)
     return fig
 
 
@@ -815,8 +910,9 @@ def residual_runs(text, settings: GradientExplosionSettings, seed: int | None = 
 
 
 def _gain_ratio(hc: list[float], mhc: list[float]) -> Estimate:
-    """HC's peak gain over mHC's, taken per seed, with a t interval over the per-seed ratios."""
-    return mean_interval(np.asarray(hc) / np.asarray(mhc), method="t interval over per-seed ratios", unit="x")
+    """HC's peak gain over mHC's, taken per seed: the geometric mean of the per-seed ratios with a t interval on
+    their logs (a ratio varies by factors; a linear interval reaches below zero)."""
+    return geomean_interval(np.asarray(hc) / np.asarray(mhc), method="t interval over per-seed ratios")
 
 
 @dataclass(frozen=True)
@@ -835,15 +931,15 @@ class ResidualSeeds:
         return [r[kind].peak_gain for r in self.runs]
 
     def estimates(self) -> dict[str, Estimate]:
-        hc, mhc = self.peaks("hc"), self.peaks("mhc")
-        return {"mhc_peak_gain": mean_interval(mhc, method="t interval over seeds"),
-                "hc_peak_gain": mean_interval(hc, method="t interval over seeds"),
-                "hc_over_mhc_gain": _gain_ratio(hc, mhc)}
+        """mHC's peak gain (a bound near 1: a linear t interval), HC's (reported, not graded) and HC's over mHC's
+        (gains that vary by factors: geometric means with t intervals on the logs)."""
+        return {**{key: r.estimate() for key, r in self.repeated().items()},
+                "hc_peak_gain": geomean_interval(self.peaks("hc"), method="t interval over seeds")}
 
     def repeated(self) -> dict[str, Repeated]:
         """The graded estimates' per-seed values, for ``claims.regrade_leaving_out``."""
         return {"mhc_peak_gain": Repeated(mean_interval, (self.peaks("mhc"),),
-                                          options={"method": "t interval over seeds"}),
+                                          options={"method": "t interval over seeds", "unit": "x"}),
                 "hc_over_mhc_gain": Repeated(_gain_ratio, (self.peaks("hc"), self.peaks("mhc")))}
 
     def rows(self) -> list[dict[str, float]]:
@@ -885,47 +981,61 @@ def r1_table(runs: dict[str, ResidualRun]) -> str:
                      f"max/median gradient norm {r.spike:.2f}" for kind, r in runs.items())
 
 
-def plot_r1(seeds: ResidualSeeds) -> Figure:
-    """The first seed's training (loss, gradient norm, peak gain over training, gain against depth) and the graded
-    gains per seed with their mean and 90% interval against the post's bound."""
+def plot_r1(seeds: ResidualSeeds, claim) -> Figure:
+    """The first seed's training (loss, gradient norm, peak gain over training, gain against depth) and the gains
+    per seed with their estimates and 90% intervals against the post's bounds (``claim``: the registry's R1, passed
+    by the notebook)."""
     runs = seeds.first
     colors = {"residual": "#4c72b0", "hc": "#c44e52", "mhc": "#55a868"}
-    fig, axes = plt.subplots(1, 5, figsize=(24, 4.8), gridspec_kw=dict(width_ratios=[1, 1, 1, 1, 0.8]))
+    fig, axes = plt.subplots(3, 2, figsize=(8, 10.5))
+    (loss_ax, norm_ax), (peak_ax, depth_ax), (graded, key_ax) = axes
     for kind, r in runs.items():
         steps = np.arange(len(r.losses))
-        axes[0].plot(steps, r.losses, color=colors[kind], lw=0.8, label=f"{kind} (val {r.val_loss:.3f})")
-        axes[1].semilogy(steps, r.grad_norms, color=colors[kind], lw=0.8, label=kind)
+        loss_ax.plot(steps, r.losses, color=colors[kind], lw=0.8)
+        norm_ax.semilogy(steps, r.grad_norms, color=colors[kind], lw=0.8)
         s, v = zip(*r.gains)
-        axes[2].semilogy(s, v, ".-", color=colors[kind], label=kind)
+        peak_ax.semilogy(s, v, ".-", color=colors[kind])
         depth = np.arange(1, len(r.final_gain.forward) + 1)
-        axes[3].semilogy(depth, r.final_gain.forward.numpy(), "-", color=colors[kind], label=f"{kind} forward")
-        axes[3].semilogy(depth, r.final_gain.backward.numpy(), "--", color=colors[kind], label=f"{kind} backward")
+        depth_ax.semilogy(depth, r.final_gain.forward.numpy(), "-", color=colors[kind])
+        depth_ax.semilogy(depth, r.final_gain.backward.numpy(), "--", color=colors[kind])
     first = seeds.seeds[0]
-    axes[0].set(title=f"training loss (seed {first})", xlabel="step", ylabel="loss (nats/byte)")
-    axes[1].set(title=f"gradient norm (seed {first})", xlabel="step", ylabel="total gradient norm before the step")
-    axes[2].set(title=f"peak composite gain over depth (seed {first})", xlabel="step",
-                ylabel="peak composite gain (x)")
-    axes[3].set(title=f"composite gain vs depth, end (seed {first})", xlabel="sublayers", ylabel="composite gain (x)")
-    ax = axes[4]
+    loss_ax.set(title=f"training loss, seed {first}", xlabel="step", ylabel="loss (nats/byte)")
+    norm_ax.set(title=f"gradient norm, seed {first}", xlabel="step", ylabel="total gradient norm before step")
+    peak_ax.set(title=f"peak composite gain over depth, seed {first}", xlabel="step", ylabel="peak composite gain (x)")
+    depth_ax.set(title=f"composite gain at the end, seed {first}", xlabel="sublayers", ylabel="composite gain (x)")
+    depth_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     e = seeds.estimates()
-    for x, (key, values) in enumerate((("mhc_peak_gain", seeds.peaks("mhc")),
-                                      ("hc_over_mhc_gain", list(np.divide(seeds.peaks("hc"), seeds.peaks("mhc")))))):
-        ax.plot(np.full(len(values), x) + np.linspace(-0.1, 0.1, len(values)), values, "o", color="grey", ms=4,
-                alpha=0.7, label="per seed" if x == 0 else None)
-        _interval_bar(ax, x, e[key], color="C3", label=f"mean, 90% interval (n={e[key].n})" if x == 0 else None)
-    ax.plot([-0.3, 0.3], [2, 2], "k--", lw=1, label="post's bounds")
-    ax.text(0.32, 2, "<= 2", va="center", fontsize=8)
-    ax.plot([0.7, 1.3], [10, 10], "k--", lw=1)
-    ax.text(1.32, 10, ">= 10", va="center", fontsize=8)
-    ax.set_yscale("log")
-    ax.set_xticks([0, 1], ["mHC peak gain", "HC / mHC\n(per seed)"])
-    ax.set_xlim(-0.5, 1.8)
-    ax.set_ylabel("gain (x)")
-    ax.set_title("graded, over seeds")
-    for a in axes:
-        a.title.set_fontsize(10)
-        a.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    ratios = list(np.divide(seeds.peaks("hc"), seeds.peaks("mhc")))
+    linear, logs = "mean,\n90% t interval", "geometric mean,\n90% t interval on logs"
+    shown = (("mhc_peak_gain", seeds.peaks("mhc"), "mHC peak", "graded", "C3", linear),
+             ("hc_peak_gain", seeds.peaks("hc"), "HC peak", "reported", "C0", logs),
+             ("hc_over_mhc_gain", ratios, "HC / mHC", "graded", "C1", logs))
+    for x, (key, values, name, _, color, how) in enumerate(shown):
+        _per_seed(graded, x, values, label=f"per seed ({len(values)})" if x == 0 else None)
+        _interval_bar(graded, x, e[key], color=color, label=f"{name}: {how} (n={e[key].n})")
+    bound, ratio_t = claim.target_for("mhc_peak_gain"), claim.target_for("hc_over_mhc_gain")
+    graded.plot([-0.35, 0.35], [bound.hi] * 2, "--", color="C2", lw=1.2, label=f"post: mHC <= {bound.hi:g}")
+    graded.plot([1.65, 2.35], [ratio_t.lo] * 2, ":", color="C2", lw=1.6, label=f"post: HC / mHC >= {ratio_t.lo:g}")
+    graded.fill_between([1.65, 2.35], *ratio_t.no_effect, color="grey", alpha=0.3,
+                        label=f"no effect {ratio_t.band_text()}")
+    graded.set_yscale("log")
+    graded.set_xticks(range(len(shown)), [f"{name}\n({role})" for _, _, name, role, _, _ in shown])
+    graded.set_xlim(-0.5, len(shown) - 0.5)
+    graded.set(xlabel="over seeds", ylabel="gain (x)", title="graded gains")
+    for ax in (norm_ax, peak_ax, depth_ax, graded):
+        _tidy_log(ax)
+    for ax in axes.flat[:5]:
+        ax.title.set_fontsize(10)
+    key_ax.axis("off")  # its slot holds the graded panel's legend
+    key_ax.legend(*graded.get_legend_handles_labels(), fontsize=8, loc="center left", title="graded gains",
+                  title_fontsize=8)
+    kinds = [plt.Line2D([], [], color=colors[kind], label=f"{kind}: val loss {r.val_loss:.3f}")
+             for kind, r in runs.items()]
+    styles = [plt.Line2D([], [], color="grey", ls=ls, label=f"{what} gain (middle row, right)")
+              for ls, what in (("-", "forward"), ("--", "backward"))]
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.legend(handles=kinds + styles, fontsize=8, loc="upper center", ncol=3, title=f"seed {first}",
+               title_fontsize=8, bbox_to_anchor=(0.5, 1.0))
     return fig
 
 
@@ -939,18 +1049,19 @@ def r1_texts(seeds: ResidualSeeds, settings: GradientExplosionSettings) -> dict[
         scale=(f"{hc.n_params / 1e6:.2f}M-parameter decoder ({s.r1_layers} layers = {2 * s.r1_layers} sublayers, "
                f"width {s.r1_width}, n={s.n_streams} streams), {s.r1_steps} AdamW steps at lr {s.r1_lr} on the "
                f"{s.corpus} corpus, {len(seeds.seeds)} seeds; published: 27B"),
-        measured_text=(f"peak composite gain over training: mHC {e['mhc_peak_gain'].describe(3)}; HC "
-                       f"{e['hc_peak_gain'].describe(3)}; HC / mHC per seed {e['hc_over_mhc_gain'].describe(3)}"),
+        measured_text=(f"peak composite gain over training: mHC {e['mhc_peak_gain'].describe(3)}; HC / mHC per seed "
+                       f"{e['hc_over_mhc_gain'].describe(3)}; HC (reported, not graded) "
+                       f"{e['hc_peak_gain'].describe(3)}"),
         note=(f"first seed: val loss residual {runs['residual'].val_loss:.3f}, HC {hc.val_loss:.3f}, mHC "
               f"{mhc.val_loss:.3f}; max/median grad norm HC {hc.spike:.2f}, mHC {mhc.spike:.2f}"),
     )
 
 
 __all__ = [
-    "GRADED_CLIP", "ClippingSeed", "ClippingSeeds", "ClippingSweep", "GradientExplosionSettings", "LargeProbe",
-    "ResidualRun", "ResidualSeeds", "StackProfiles", "StackSeeds", "TransformerProfiles", "bert_large_probe",
+    "ClippingSeed", "ClippingSeeds", "ClippingSweep", "GRADED_CLIP", "GradientExplosionSettings", "LargeProbe",
+    "ResidualRun", "ResidualSeeds", "SIDES", "StackProfiles", "StackSeeds", "TransformerProfiles", "bert_large_probe",
     "bert_schedule", "block_norm_profile", "c2_metrics", "c2_table", "c2_texts", "c3_metrics", "c3_table", "c3_texts",
-    "clipping_seeds", "clipping_sweep", "jacobian_log_rate", "make_optimizer", "mlm_val_loss", "plot_c2", "plot_c3",
-    "plot_r1", "r1_metrics", "r1_series", "r1_table", "r1_texts", "residual_runs", "residual_seeds", "stack_profiles",
-    "stack_seeds", "train_residual", "train_unclipped", "transformer_profiles",
+    "clipping_seeds", "clipping_sweep", "identity_error", "jacobian_log_rate", "make_optimizer", "mlm_val_loss",
+    "plot_c2", "plot_c3", "plot_r1", "r1_metrics", "r1_series", "r1_table", "r1_texts", "residual_runs",
+    "residual_seeds", "stack_profiles", "stack_seeds", "train_residual", "train_unclipped", "transformer_profiles",
 ]

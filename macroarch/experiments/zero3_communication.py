@@ -41,6 +41,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
 
 from macroarch._table import format_table
 from macroarch.experiments.settings import Settings
@@ -667,8 +668,24 @@ def packed_shares(post: PostSetting, payload: PackedPayload, *, seq_len: int) ->
         post.latencies, post.share_target)
 
 
+def _binary(n: float) -> str:
+    """``4096`` -> ``4K``, ``2**24`` -> ``16M``: short labels for powers of two."""
+    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n:g}"
+
+
+def _legend_in_slot(fig: Figure, slot_ax, handles, labels, title: str) -> None:
+    """Put a legend where ``slot_ax`` (an empty panel) was, as a figure legend, so the layout check sees it."""
+    slot = slot_ax.get_position()
+    fig.delaxes(slot_ax)
+    fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=slot, title=title, title_fontsize=8)
+
+
 def plot_packed(shares: PackedShares, payload: PackedPayload) -> Figure:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    """The post's setting with the all-gather payload measured per format, and the bytes each FSDP2 rank held."""
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4.6))
     ax, us = axes[0], shares.latencies * 1e6
     for fmt in shares.formats:
         serial, overlapped = shares.curves[fmt]
@@ -677,25 +694,28 @@ def plot_packed(shares: PackedShares, payload: PackedPayload) -> Figure:
     ax.axhline(shares.share_target, color="r", lw=0.8, ls=":", label=f"{shares.share_target:.0%} (the post)")
     ax.axvline(POST_LATENCY * 1e6, color="r", lw=0.8, ls=":")
     ax.set(xlabel="latency alpha per ring step (us)", ylabel="share of step in parameter sync", ylim=(0, 1),
-           title=f"{shares.model}: ZeRO-3 with the all-gather payload measured per format")
-    ax.legend(fontsize=7)
+           title=f"{shares.model}, ZeRO-3 (modelled)\nwith the all-gather payload measured")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.24), ncol=1)
     ax = axes[1]
     kinds = (("weights", "weights"), ("grads", "gradients"), ("optimizer", "optimizer"),
-             ("gather_bytes_per_step", "all-gather / step"))
+             ("gather_bytes_per_step", "gathered\nper step"))
     x, width = np.arange(len(kinds)), 0.8 / len(payload.formats)
     for i, fmt in enumerate(payload.formats):
         ax.bar(x + i * width, [payload.ranks[fmt][k] / 1e6 for k, _ in kinds], width, label=fmt)
     ax.set_xticks(x + width * (len(payload.formats) - 1) / 2, [label for _, label in kinds])
-    ax.set(ylabel="MB per rank", title=f"FSDP2 on {payload.world_size} gloo ranks: bytes per rank, measured")
-    ax.legend(fontsize=7)
+    ax.set(xlabel="bytes each rank holds or gathers", ylabel="MB per rank",
+           title=f"FSDP2 on {payload.world_size} gloo ranks\nbytes per rank (measured)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.34), ncol=len(payload.formats))
     fig.tight_layout()
     return fig
 
 
 def plot_sync_share(post: PostSetting, sens: Sensitivity, calib: Calibration, here: HereCheck) -> Figure:
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    """The graded share against latency (modelled, with the model's error on the FSDP2 check as its band and
+    error bar), its sensitivity to tokens and MFU, and the collectives timed here with the model fitted to them."""
+    fig, axes = plt.subplots(2, 2, figsize=(8, 7.6))
     us, cluster = post.latencies * 1e6, post.cluster
-    ax = axes[0]
+    ax = axes[0, 0]
     err = validation_error(here)
     for name, s in post.models.items():
         line, = ax.semilogx(us, s.serial, lw=1.6, label=f"{name} (serial)")
@@ -703,7 +723,7 @@ def plot_sync_share(post: PostSetting, sens: Sensitivity, calib: Calibration, he
         if name == post.graded:
             ax.fill_between(us, s.serial / (1 + err), np.clip(s.serial * (1 + err), 0, 1),
                             color=line.get_color(), alpha=0.15,
-                            label=f"{name}: x/ {1 + err:.2f} (model's error on the FSDP2 check)")
+                            label=f"{name}: x/ {1 + err:.2f}\n(model's error on the FSDP2 check)")
             g = s.at_200us.share_serial
             ax.errorbar([POST_LATENCY * 1e6], [g], yerr=[[g - g / (1 + err)], [min(1.0, g * (1 + err)) - g]], fmt="D",
                         color=line.get_color(), capsize=4, ms=6, label=f"graded: {g:.1%} at 200 us (modelled)")
@@ -711,17 +731,16 @@ def plot_sync_share(post: PostSetting, sens: Sensitivity, calib: Calibration, he
     ax.axhline(post.share_target, color="r", lw=0.8, ls=":", label=f"{post.share_target:.0%} (the post)")
     ax.axvline(POST_LATENCY * 1e6, color="r", lw=0.8, ls=":")
     ax.set(xlabel="latency alpha per ring step (us)", ylabel="share of step in parameter sync", ylim=(0, 1),
-           title=f"ZeRO-3 model on {cluster.name}\n{post.tokens} tokens/GPU, MFU {cluster.mfu}, "
-                 f"{cluster.bandwidth / 1e9:.0f} GB/s (typed-in constants)")
-    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(0, -0.15), ncol=2)
-    ax = axes[1]
+           title=f"ZeRO-3 model, {cluster.world_size}x A100 (typed-in)\n{post.tokens} tokens/GPU, MFU {cluster.mfu}, "
+                 f"{cluster.bandwidth / 1e9:.0f} GB/s")
+    ax = axes[1, 0]
     for m, shares in sens.shares.items():
         ax.semilogx(sens.tokens, shares, "o-", ms=3, label=f"MFU {m:.2f}")
     ax.axhline(post.share_target, color="r", lw=0.8, ls=":")
     ax.set(xlabel="tokens per GPU per step", ylabel="share at 200 us (serial)",
-           title=f"{sens.model}: what the post leaves open", ylim=(0, 1))
-    ax.legend(fontsize=7)
-    ax = axes[2]
+           title=f"{sens.model}:\nwhat the post leaves open", ylim=(0, 1))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(sens.shares))
+    ax = axes[1, 1]
     sizes = np.array(calib.measured["sizes"], dtype=float)
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
         ax.loglog(sizes, np.array(calib.measured["seconds"][op]) * 1e3, "o", ms=4, label=f"{op} (measured)")
@@ -729,10 +748,16 @@ def plot_sync_share(post: PostSetting, sens: Sensitivity, calib: Calibration, he
         a, b = calib.fits[op]
         ax.loglog(sizes, calib.ring_seconds(op, sizes) * 1e3, "-", color=color, lw=1,
                   label=f"{op} fit: alpha {a * 1e6:.0f} us, B {b / 1e9:.2f} GB/s")
-    ax.set(xlabel="bytes (gathered tensor)", ylabel="ms", title=f"gloo, {calib.world_size} ranks on loopback; FSDP2 "
-           f"sync measured {here.sync_measured * 1e3:.0f} ms vs model {here.predicted.comm * 1e3:.0f} ms")
-    ax.legend(fontsize=7)
+    ax.set_xticks(sizes, [_binary(x) for x in sizes], fontsize=8)  # the sizes timed (log ticks crowd a short span)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set(xlabel="gathered tensor (bytes; K = 2^10, M = 2^20)", ylabel="ms per collective",
+           title=f"gloo, {calib.world_size} ranks on loopback\nFSDP2 sync: measured {here.sync_measured * 1e3:.0f} "
+                 f"ms, model {here.predicted.comm * 1e3:.0f} ms")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=1)
+    for a in axes.flat:
+        a.title.set_fontsize(10)
     fig.tight_layout()
+    _legend_in_slot(fig, axes[0, 1], *axes[0, 0].get_legend_handles_labels(), title="share vs latency (left)")
     return fig
 
 

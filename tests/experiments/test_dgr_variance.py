@@ -7,12 +7,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from matplotlib.figure import Figure
+from matplotlib.container import ErrorbarContainer
 
 from macroarch.experiments import dgr_variance as dv
 from macroarch.measure.gradients import minibatch_gradient_variance
 from macroarch.measure.workload import lm_loss
 from macroarch.repro.claims import get_claim, regrade_leaving_out
+from macroarch.repro.figures import figure_problems
 
 SETTINGS = dv.DGRVarianceSettings(n_layers=4, width=16, seq_len=16, batch_size=2, steps=4, group_size=2,
                                   measure_every=2, variance_batches=3, threads=1, seeds=3, n_heads=2, lr=1e-2)
@@ -99,16 +100,25 @@ def test_seeds_pair_plain_and_dgr_and_differ_from_each_other(text, seeds):
     assert not torch.equal(seeds.setups[1].held_out[0][0], seeds.setups[2].held_out[0][0])
 
 
-def test_graded_factor_is_a_t_interval_over_per_seed_factors(seeds):
-    per_seed = []
+def _per_seed(seeds, column: str) -> list[float]:
+    """Plain / DGR + DC-ASGD of ``column`` at each measurement after step 0, averaged, per seed: written out."""
+    out = []
     for c in seeds.comparisons:
-        plain = np.array([h.trace for h in c.runs["plain"].history[1:]])
-        graded = np.array([h.trace for h in c.runs[dv.GRADED].history[1:]])
-        per_seed.append(float(np.mean(plain / graded)))
+        plain = np.array([getattr(h, column) for h in c.runs["plain"].history[1:]])
+        graded = np.array([getattr(h, column) for h in c.runs[dv.GRADED].history[1:]])
+        out.append(float(np.mean(plain / graded)))
+    return out
+
+
+def test_graded_factor_is_a_geometric_mean_over_seeds_with_a_t_interval_on_logs(seeds):
+    per_seed = _per_seed(seeds, "trace")
     assert seeds.factors == pytest.approx(per_seed, rel=1e-12)
     e = seeds.estimates()["variance_reduction_factor"]
-    assert e.n == 3 and e.value == pytest.approx(np.mean(per_seed)) and e.low < e.value < e.high
-    assert e.high - e.value == pytest.approx(2.919986 * np.std(per_seed, ddof=1) / np.sqrt(3), rel=1e-5)
+    logs = np.log(per_seed)
+    half = 2.919986 * np.std(logs, ddof=1) / np.sqrt(3)  # Student's t, 2 dof: the 90% two-sided interval
+    assert e.n == 3 and e.log_scale and e.value == pytest.approx(np.exp(logs.mean()))
+    assert (e.low, e.high) == pytest.approx((np.exp(logs.mean() - half), np.exp(logs.mean() + half)), rel=1e-5)
+    assert 0 < e.low < e.value < e.high  # a ratio of variances: its interval never reaches below zero
     m = seeds.metrics()
     assert "variance_reduction_factor" not in m and "DGR_sync_trace_factor" not in m  # no identity as a measurement
     assert m["seeds"] == 3 and [r["seed"] for r in seeds.rows()] == [0, 1, 2]
@@ -119,16 +129,31 @@ def test_graded_factor_is_a_t_interval_over_per_seed_factors(seeds):
     assert sum("DGR_interleaved_DC_ASGD_variance_trace" in values for _, values in rows) == 3
 
 
-def test_the_figure_shows_the_graded_factor_and_keeps_legends_off_the_axes(seeds):
-    fig = dv.plot_variance(seeds)
-    assert isinstance(fig, Figure)
-    assert all(ax.get_ylabel() for ax in fig.axes)
-    assert fig.legends and all(ax.get_legend() is None for ax in fig.axes[:3])  # one figure legend, below the axes
-    graded = fig.axes[3]
-    assert graded.get_legend() is not None
-    legend_box = graded.get_legend().get_window_extent(fig.canvas.get_renderer())
-    assert legend_box.y1 <= graded.get_window_extent(fig.canvas.get_renderer()).y0  # below its axes, covers nothing
-    assert any("n=3" in t.get_text() for t in graded.get_legend().get_texts())
+def test_the_spread_across_layers_is_reported_with_its_interval_not_graded(seeds):
+    """The claim defines gradient variance across mini-batches and across layers: the second is reported too."""
+    per_seed = _per_seed(seeds, "layer_log_std")
+    e = seeds.estimates()["layer_spread_factor"]
+    assert seeds.layer_factors == pytest.approx(per_seed, rel=1e-12)
+    assert e.n == 3 and e.has_interval and e.value == pytest.approx(np.exp(np.mean(np.log(per_seed))))
+    assert "layer_spread_factor" not in {t.metric for t in get_claim("C6").targets}  # not graded
+    assert "layer_spread_factor" not in seeds.metrics()  # an estimate, not a bare mean
+    assert "spread across layers (not graded)" in seeds.table()
+
+
+def test_the_figure_shows_both_factors_with_intervals_and_keeps_legends_off_the_axes(seeds):
+    fig = dv.plot_variance(seeds, get_claim("C6"))
+    assert figure_problems(fig) == []
+    assert all(ax.get_legend() is None for ax in fig.axes)  # figure legends, beside or above the axes
+    graded = next(ax for ax in fig.axes if ax.get_title().startswith("graded"))
+    bars = [c for c in graded.containers if isinstance(c, ErrorbarContainer)]
+    e = seeds.estimates()
+    assert [b.lines[0].get_ydata()[0] for b in bars] == pytest.approx(
+        [e["variance_reduction_factor"].value, e["layer_spread_factor"].value])
+    labels = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert any("n=3" in t for t in labels)
+    # the variance panel shows every seed's measurements, not the first seed's few points alone
+    trace = next(ax for ax in fig.axes if ax.get_title().startswith("variance across mini-batches"))
+    assert len(trace.get_lines()) == len(dv.TRAINED) + 2 * (len(seeds.seeds) - 1)
 
 
 def test_gradient_memory_plain_holds_every_gradient_dgr_one_group(setup, memory):
@@ -142,5 +167,7 @@ def test_gradient_memory_plain_holds_every_gradient_dgr_one_group(setup, memory)
 def test_c6_texts(seeds, memory):
     texts = dv.c6_texts(seeds, memory, SETTINGS)
     assert "4-layer GPT-2-style decoder, width 16" in texts["scale"] and "2x16 bytes" in texts["scale"]
-    assert "3 seeds" in texts["scale"] and "n=3" in texts["measured_text"]
+    assert "3 seeds" in texts["scale"]
+    for e in seeds.estimates().values():  # both numbers with interval, n, method and kind
+        assert e.describe(3) in texts["measured_text"]
     assert "sync" not in texts["measured_text"] and "1 by construction" in texts["note"]

@@ -9,14 +9,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from matplotlib.figure import Figure
+from matplotlib.container import ErrorbarContainer
 
 from macroarch.data import MLM_VOCAB_SIZE, PAD_ID, eval_batches, lm_batches, mlm_batches
 from macroarch.experiments import gradient_explosion as gx
 from macroarch.measure.clipping import steps_to_target
-from macroarch.measure.gradients import controlled_stack
+from macroarch.measure.gradients import GrowthFit, controlled_stack
+from macroarch.measure.stats import Repeated
 from macroarch.models import HCTransformerLM, bert_small_config, build_bert_mlm, composite_gain, mlm_loss
 from macroarch.repro.claims import get_claim, regrade_leaving_out
+from macroarch.repro.figures import figure_problems
 
 SETTINGS = gx.GradientExplosionSettings(
     stack_depth=6, jacobian_layers=2, transformer_layers=3, transformer_batches=1, seq_len=16, batch_size=2,
@@ -72,22 +74,50 @@ def stacks():
     return gx.stack_seeds(SETTINGS)
 
 
-def test_c2_estimates_are_t_intervals_over_per_seed_errors(stacks):
+T90_2DOF = 2.919986  # Student's t, 0.95 quantile, 2 degrees of freedom: the 90% two-sided interval over 3 seeds
+
+
+def test_c2_estimates_are_the_linear_identity_and_signed_tanh_ratios_per_side(stacks):
     assert stacks.seeds == (0, 1, 2)
     for i, seed in enumerate(stacks.seeds):  # each seed is stack_profiles at that seed (Jacobians at the first only)
         alone = gx.stack_profiles([0.5, 2.0], 6, 4, 2, 2 if i == 0 else 0, seed)
-        assert alone.rel_error("mlp") == stacks.profiles[i].rel_error("mlp")
+        assert alone.fits["mlp", 2.0].rate == stacks.profiles[i].fits["mlp", 2.0].rate
     assert set(stacks.profiles[0].jacobian_rate) == {0.5, 2.0} and stacks.profiles[1].jacobian_rate == {}
     e = stacks.estimates()
-    mlp = [max(abs(p.fits["mlp", s].rate - math.log(s)) / abs(math.log(s)) for s in (0.5, 2.0))
-           for p in stacks.profiles]
-    m = e["mlp_rate_rel_error"]
-    assert m.n == 3 and m.value == pytest.approx(np.mean(mlp)) and m.low < m.value < m.high
-    half = 2.919986 * np.std(mlp, ddof=1) / math.sqrt(3)  # t(0.95, 2 dof): the 90% two-sided interval
-    assert m.high - m.value == pytest.approx(half, rel=1e-5)
-    assert e["rate_rel_error"].n == 3 and e["rate_rel_error"].high < 1e-10  # linear stacks: exact to rounding
-    assert [r["seed"] for r in stacks.rows()] == [0, 1, 2]
+    assert set(e) == {"rate_rel_error", "mlp_vanishing_rate_ratio", "mlp_growth_rate_ratio"}
+    for key, sigma in (("mlp_vanishing_rate_ratio", 0.5), ("mlp_growth_rate_ratio", 2.0)):
+        ratios = [p.fits["mlp", sigma].rate / math.log(sigma) for p in stacks.profiles]  # signed, one side each
+        m = e[key]
+        assert m.n == 3 and m.value == pytest.approx(np.mean(ratios)) and m.low < m.value < m.high
+        assert m.high - m.value == pytest.approx(T90_2DOF * np.std(ratios, ddof=1) / math.sqrt(3), rel=1e-5)
+        assert [r[key] for r in stacks.rows()] == pytest.approx(ratios)
+    # the linear stacks' error is an identity: a point at its worst over the seeds, labelled as such, not a t interval
+    linear = [max(abs(p.fits["linear", s].rate - math.log(s)) / abs(math.log(s)) for s in (0.5, 2.0))
+              for p in stacks.profiles]
+    r = e["rate_rel_error"]
+    assert (r.value, r.low, r.high, r.n) == (max(linear), max(linear), max(linear), 3) and r.value < 1e-10
+    assert r.method.startswith("identity") and "rounding" in r.method and "worst over seeds" in r.method
+    assert [row["seed"] for row in stacks.rows()] == [0, 1, 2]
     assert regrade_leaving_out("C2", stacks.repeated()).grade == get_claim("C2").grade(e, scale="toy").grade
+    for key, rep in stacks.repeated().items():  # the result file regrades from its own record
+        assert Repeated.from_dict(rep.to_dict()).estimate() == e[key]
+
+
+def _fake_profiles(rates: dict[float, float]) -> gx.StackProfiles:
+    fits = {("mlp", s): GrowthFit(r, 0.0, 0.0, 1.0, 2) for s, r in rates.items()}
+    return gx.StackProfiles(tuple(rates), 2, 1, {}, fits, {})
+
+
+def test_the_tanh_ratio_is_signed_and_each_side_is_averaged_alone():
+    """The old unsigned worst error read gradients that vanish where they should grow (rate -0.1 at sigma 2) as the
+    same miss as growth twice too fast, and mixed the two sides: the signed per-side ratio tells them apart."""
+    p = _fake_profiles({0.5: math.log(0.5), 0.8: 0.5 * math.log(0.8), 2.0: -0.1, 3.0: 2 * math.log(3.0)})
+    assert p.rate_ratio("mlp", "vanishing") == pytest.approx((1.0 + 0.5) / 2)  # sigmas 0.5 and 0.8 only
+    assert p.rate_ratio("mlp", "growth") == pytest.approx((-0.1 / math.log(2.0) + 2.0) / 2)
+    wrong_way = _fake_profiles({0.5: math.log(0.5), 2.0: -0.1})
+    assert wrong_way.rate_ratio("mlp", "growth") < 0  # vanishing where the law says growth: below the no-effect band
+    with pytest.raises(ValueError, match="side"):
+        p.rate_ratio("mlp", "both")
 
 
 def test_c2_metrics_texts_and_figure(text, stacks):
@@ -95,15 +125,27 @@ def test_c2_metrics_texts_and_figure(text, stacks):
     assert {k: len(v) for k, v in transformers.norms.items()} == {gx.PRE_LN: 3, gx.POST_LN: 3}
     m = gx.c2_metrics(stacks, transformers)
     assert m["linear_rate_sigma0p5"] == stacks.first.fits["linear", 0.5].rate
-    assert "rate_rel_error" not in m and m["c2_seeds"] == 3  # graded as an estimate, not a bare number
+    assert not set(stacks.estimates()) & set(m) and m["c2_seeds"] == 3  # graded as estimates, not bare numbers
     assert m["pre_ln_first_over_last"] == pytest.approx(float(transformers.norms[gx.PRE_LN][0]
                                                               / transformers.norms[gx.PRE_LN][-1]))
     texts = gx.c2_texts(stacks, transformers, "toy")
-    assert "n=3" in texts["measured_text"] and "tanh stacks" in texts["measured_text"]
+    e = stacks.estimates()
+    for key, digits in (("rate_rel_error", 2), ("mlp_vanishing_rate_ratio", 4), ("mlp_growth_rate_ratio", 4)):
+        assert e[key].describe(digits) in texts["measured_text"]  # value, interval, n, method and kind
+    assert "identity" in texts["measured_text"] and "sigma < 1" in texts["measured_text"]
     assert "toy corpus" in texts["scale"] and "3 seeds" in texts["scale"]
-    assert "fitted rate" in gx.c2_table(stacks, transformers)
-    fig = gx.plot_c2(stacks, transformers)
-    assert isinstance(fig, Figure) and all(ax.get_ylabel() for ax in fig.axes)
+    assert "rate / log(sigma)" in gx.c2_table(stacks, transformers)
+    fig = gx.plot_c2(stacks, transformers, get_claim("C2"))
+    assert figure_problems(fig) == []
+    graded = fig.axes[3]
+    assert sum(isinstance(c, ErrorbarContainer) for c in graded.containers) == 2  # both tanh ratios, with intervals
+
+
+def test_sigmas_need_both_sides_of_one():
+    with pytest.raises(ValueError, match="sigmas"):
+        dataclasses.replace(SETTINGS, sigmas=(0.5, 1.0))
+    with pytest.raises(ValueError, match="sigmas"):
+        dataclasses.replace(SETTINGS, sigmas=(1.0, 2.0))
 
 
 # ------------------------------------------------------------------------------------------------------ C3
@@ -177,10 +219,14 @@ def test_c3_metrics_follow_the_definitions(sweep, clip_seeds):
     assert m["AdamW_clip1e+09_clip_fraction"] == 0.0
     assert "effective_lr_reduction" not in m and "convergence_slowdown" not in m  # estimates, not bare numbers
     texts = gx.c3_texts(sweep, clip_seeds, None, SETTINGS)
-    assert "n=3" in texts["measured_text"] and "3 seeds" in texts["scale"]
+    for est in clip_seeds.estimates().values():
+        assert est.describe(3) in texts["measured_text"]
+    assert "3 seeds" in texts["scale"]
     assert "never" in gx.c3_table(sweep) or "none" in gx.c3_table(sweep)
-    fig = gx.plot_c3(sweep, clip_seeds)
-    assert isinstance(fig, Figure) and all(ax.get_ylabel() for ax in fig.axes)
+    fig = gx.plot_c3(sweep, clip_seeds, get_claim("C3"))
+    assert figure_problems(fig) == []
+    graded = [ax for ax in fig.axes if ax.get_title() == "graded"]
+    assert len(graded) == 2 and all(any(isinstance(c, ErrorbarContainer) for c in ax.containers) for ax in graded)
 
 
 def test_c3_seeds_pair_clipped_and_unclipped_and_give_intervals(text, clip_seeds):
@@ -196,9 +242,16 @@ def test_c3_seeds_pair_clipped_and_unclipped_and_give_intervals(text, clip_seeds
                                 gx.bert_schedule(12, 1), seed=1)
     assert np.allclose(losses, clip_seeds.runs[1].unclipped, rtol=1e-6, atol=0)  # threads: summation order
     e = clip_seeds.estimates()
-    for key, values in (("effective_lr_reduction", clip_seeds.reductions),
-                        ("convergence_slowdown", clip_seeds.slowdowns)):
-        assert e[key].n == 3 and e[key].value == pytest.approx(np.mean(values)) and e[key].has_interval
+    reduction, slowdown = e["effective_lr_reduction"], e["convergence_slowdown"]
+    assert reduction.n == 3 and reduction.value == pytest.approx(np.mean(clip_seeds.reductions))
+    assert reduction.has_interval and not reduction.log_scale  # a difference: a linear t interval
+    # a ratio of step counts: the geometric mean, its interval a t interval on the logs (never below zero)
+    logs = np.log(clip_seeds.slowdowns)
+    assert slowdown.n == 3 and slowdown.log_scale and slowdown.value == pytest.approx(math.exp(logs.mean()))
+    if np.ptp(logs) > 0:
+        half = T90_2DOF * np.std(logs, ddof=1) / math.sqrt(3)
+        assert (slowdown.low, slowdown.high) == pytest.approx((math.exp(logs.mean() - half),
+                                                               math.exp(logs.mean() + half)))
     assert [row["seed"] for row in clip_seeds.rows()] == [0, 1, 2]
     assert regrade_leaving_out("C3", clip_seeds.repeated()).grade == get_claim("C3").grade(e, scale="toy").grade
 
@@ -251,8 +304,12 @@ def test_r1_seeds_train_hc_and_mhc_at_every_seed_and_grade_per_seed_ratios(text,
     e = residual.estimates()
     hc, mhc = residual.peaks("hc"), residual.peaks("mhc")
     ratio = e["hc_over_mhc_gain"]
-    assert ratio.n == 3 and ratio.value == pytest.approx(np.mean(np.divide(hc, mhc)))  # per-seed ratios, then mean
+    # per-seed ratios, then their geometric mean (a t interval on the logs)
+    per_seed = np.divide(hc, mhc)
+    assert ratio.n == 3 and ratio.log_scale and ratio.value == pytest.approx(math.exp(np.mean(np.log(per_seed))))
+    assert e["hc_peak_gain"].log_scale and e["hc_peak_gain"].value == pytest.approx(math.exp(np.mean(np.log(hc))))
     assert e["mhc_peak_gain"].n == 3 and e["mhc_peak_gain"].value == pytest.approx(np.mean(mhc))
+    assert not e["mhc_peak_gain"].log_scale  # a bound near 1: linear
     assert all(x.has_interval for x in e.values())
     assert [row["hc_over_mhc_gain"] for row in residual.rows()] == pytest.approx(list(np.divide(hc, mhc)))
     graded = {k: v for k, v in e.items() if k != "hc_peak_gain"}
@@ -270,9 +327,29 @@ def test_r1_metrics_series_and_figure(residual):
                                                   "residual_peak_gain": 1.0})
     assert [("mhc_peak_gain" in values) for _, values in rows[-3:]] == [True, False, True]  # steps 0 and last
     texts = gx.r1_texts(residual, SETTINGS)
+    for est in residual.estimates().values():
+        assert est.describe(3) in texts["measured_text"]
     assert "HC / mHC per seed" in texts["measured_text"] and "3 seeds" in texts["scale"]
-    fig = gx.plot_r1(residual)
-    assert isinstance(fig, Figure) and all(ax.get_ylabel() for ax in fig.axes)
+    fig = gx.plot_r1(residual, get_claim("R1"))
+    assert figure_problems(fig) == []
+    graded = next(ax for ax in fig.axes if ax.get_title() == "graded gains")
+    bars = [c for c in graded.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 3  # mHC, HC, HC / mHC, each with its interval
+    for bar in bars:  # on a log axis every end of every error bar is positive (a linear interval ran below zero)
+        for segment in bar.lines[2][0].get_segments():
+            assert (np.asarray(segment)[:, 1] > 0).all()
+
+
+def test_a_gain_ratio_interval_stays_positive_where_a_linear_one_would_not():
+    """R1's defect: per-seed ratios 36.8, 99.6 and 38.3 gave a linear t interval below zero; their geometric mean's
+    interval, a t interval on the logs, is positive."""
+    per_seed = np.array([36.8, 99.6, 38.3])
+    linear_low = per_seed.mean() - T90_2DOF * per_seed.std(ddof=1) / math.sqrt(3)
+    assert linear_low < 0
+    e = gx._gain_ratio(list(per_seed), [1.0, 1.0, 1.0])
+    logs = np.log(per_seed)
+    assert e.low == pytest.approx(math.exp(logs.mean() - T90_2DOF * logs.std(ddof=1) / math.sqrt(3)))
+    assert 0 < e.low < e.value < e.high
 
 
 def test_settings_are_checked():

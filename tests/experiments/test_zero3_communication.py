@@ -17,6 +17,7 @@ from macroarch.measure.workload import Workload
 from macroarch.measure.zero3 import fsdp_units, zero3_step
 from macroarch.models import get_model_spec
 from macroarch.mvas import bytes_per_element
+from macroarch.repro.figures import figure_problems
 
 KW = dict(seq_len=2048, param_bytes=2, grad_bytes=2)
 ALPHA = {"all_gather": 150e-6, "reduce_scatter": 300e-6, "all_reduce": 400e-6}
@@ -137,6 +138,13 @@ def test_the_graded_share_is_a_model_output_with_the_fsdp2_check_as_its_error(ca
     assert "modelled, not measured" in texts["measured_text"] and "160% error" in texts["note"]
     fig = z3.plot_sync_share(post, sens, calib, under)
     assert any(c.__class__.__name__ == "ErrorbarContainer" for c in fig.axes[0].containers)
+    # laid out for the report's page: the legend beside the panel, not over its x label; no title wider than its
+    # panel (once 17 in wide, its text printed at 2.5 pt)
+    assert figure_problems(fig) == []
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        title, box = ax.title.get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert title.width <= box.width + 1, ax.get_title()
     if os.environ.get("C5_FIGURE"):
         fig.savefig(os.environ["C5_FIGURE"], dpi=70, bbox_inches="tight")
 
@@ -242,7 +250,8 @@ def test_packed_line_in_the_note_and_the_figure(calib_packed, post, a100):
     note = z3.c5_texts(post, calib_packed, here, metrics, shares)["note"]
     assert f"fp8 1.150 B/param -> {shares.at_200us['fp8'].share_serial:.1%}" in note and "2 gloo ranks" in note
     assert "B/param" not in z3.c5_texts(post, calib_packed, here, metrics)["note"]
-    assert isinstance(z3.plot_packed(shares, payload), Figure)
+    fig = z3.plot_packed(shares, payload)
+    assert isinstance(fig, Figure) and figure_problems(fig) == []
 
 
 def rank_packed_payload(d_model, block_size):
