@@ -26,7 +26,12 @@ Variants (``VARIANTS``), all computing in bf16:
 "What fits" is ``macroarch.measure.fit.largest_fitting`` over fake-tensor measurements of one full step. The
 folding trunk is measured at a few depths and extrapolated to 48 blocks (``extrapolate_peak``, checked on a third
 depth; the notebook can also check it at full depth). The small models trained for real use the synthetic data
-of ``macroarch.data.applications``.
+of ``macroarch.data.applications``, over paired seeds (:func:`train_seeds`: per seed, both variants share the
+initial weights, the batch order and the held-out batches); the graded quality is the held-out loss change taken
+per seed with a t interval over the seeds (:class:`PairedSeeds`), and :func:`quality_repeated` keeps the per-seed
+numbers for the notebook's leave-one-out check. The graded memory numbers are exact counts (``c1x_estimates``).
+The figures take the registry's targets as arguments (the notebook passes ``get_claim(cid).targets``): the harness
+does not import the grader.
 
 Deviations: the MVAS plan is not re-planned during these short runs (``MVASSchedule`` is notebook 05's; its fp32
 Fisher EMA would add 4 B per managed weight). Checkpointing is ``torch.utils.checkpoint`` without reentrance (one
@@ -40,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +63,7 @@ from macroarch.experiments.loop import TrainLog, mvas_kernels
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.fit import Fit, MeasureCache, extrapolate_peak, fake_module, largest_fitting, measure_training
 from macroarch.measure.memory import STATE_CATEGORIES, StepMemory
-from macroarch.measure.stats import Estimate, mean_interval
+from macroarch.measure.stats import Estimate, Repeated, as_estimate, exact, is_estimate_dict, mean_interval
 from macroarch.models.layers import find_repeated_layers
 from macroarch.optim import MasterWeightAdamW
 
@@ -456,20 +462,23 @@ def small_dims(name: str, *, width: int, layers: int, crop: int, points: int, fr
 
 
 def data_batches(name: str, dims: Mapping[str, Any], batch_size: int, steps: int, eval_batches: int,
-                 dtype: torch.dtype, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """``steps`` training batches (drawn with replacement, seeded) and ``eval_batches`` held-out ones from the
-    synthetic dataset of ``name`` (``macroarch.data.applications``), built first if missing."""
+                 dtype: torch.dtype, seed: int = 0, data_seed: int | None = None) -> tuple[list[dict], list[dict]]:
+    """``steps`` training batches (drawn with replacement, in an order seeded by ``seed``) and ``eval_batches``
+    held-out ones from the synthetic dataset of ``name`` (``macroarch.data.applications``, generated from
+    ``data_seed``, by default ``seed``; built first if missing). The held-out batches are the dataset's last
+    samples: the same for every ``seed`` of one ``data_seed``."""
     from macroarch.models.folding import distance_bins
 
+    data_seed = seed if data_seed is None else data_seed
     n = max(256, 4 * batch_size * max(1, eval_batches))
     if name == "esmfold_trunk":
-        data = load_dataset(ensure_dataset("proteins", n=n, length=dims["crop"], seed=seed))
+        data = load_dataset(ensure_dataset("proteins", n=n, length=dims["crop"], seed=data_seed))
         xs = {"aatype": data["aatype"], "labels": distance_bins(data["coords"])}
     elif name == "pointnet":
-        data = load_dataset(ensure_dataset("pointclouds", n=n, points=dims["points"], seed=seed))
+        data = load_dataset(ensure_dataset("pointclouds", n=n, points=dims["points"], seed=data_seed))
         xs = {"points": data["points"].to(dtype), "labels": data["labels"]}
     else:
-        data = load_dataset(ensure_dataset("videos", n=n, frames=dims["frames"], size=dims["image"], seed=seed))
+        data = load_dataset(ensure_dataset("videos", n=n, frames=dims["frames"], size=dims["image"], seed=data_seed))
         xs = {"pixel_values": (data["clips"].float() / 127.5 - 1.0).to(dtype), "labels": data["labels"]}
     held = eval_batches * batch_size  # the last clips are held out
     g = torch.Generator().manual_seed(seed)
@@ -482,7 +491,7 @@ def data_batches(name: str, dims: Mapping[str, Any], batch_size: int, steps: int
 
 @dataclass
 class TrainResult:
-    """The small model trained for real, baseline against MVAS + DGR."""
+    """The small model trained for real from one seed, baseline against MVAS + DGR."""
 
     name: str
     n_params: int
@@ -490,14 +499,11 @@ class TrainResult:
     eval_loss: dict[str, float]
     plan: mvas.PrecisionPlan = field(repr=False)
     eval_losses: dict[str, list[float]] = field(default_factory=dict)  # per held-out batch, in the same order
+    seed: int = 0
 
-    def quality_change(self) -> Estimate:
-        """MVAS + DGR's held-out loss relative to the baseline's, ``(technique - baseline) / baseline`` per
-        held-out batch (both models see the same batches), with a t interval over the batches. One training seed:
-        the interval holds the evaluation's spread, not the training's, and the method says so."""
-        base, tech = self.eval_losses["baseline"], self.eval_losses["mvas_dgr"]
-        return mean_interval([(t - b) / b for b, t in zip(base, tech, strict=True)],
-                             method="paired t over held-out batches, one training seed")
+    def loss_change(self) -> float:
+        """MVAS + DGR's held-out loss relative to the baseline's: ``technique / baseline - 1`` (> 0: worse)."""
+        return self.eval_loss["mvas_dgr"] / self.eval_loss["baseline"] - 1.0
 
     @property
     def speed_ratio(self) -> float:
@@ -509,39 +515,18 @@ class TrainResult:
         tail = losses[-max(1, int(len(losses) * frac)):]
         return sum(tail) / len(tail)
 
-    def metrics(self) -> dict[str, float]:
-        out = {f"{self.name}_speed_ratio": self.speed_ratio, f"{self.name}_train_params": self.n_params}
-        for v in self.logs:
-            out[f"{self.name}_{v}_first_loss"] = self.logs[v].losses[0]
-            out[f"{self.name}_{v}_final_loss"] = self.final_loss(v)
-            out[f"{self.name}_{v}_eval_loss"] = self.eval_loss[v]
-        return out
-
-    def log_to(self, run: Any) -> None:
-        """Every step's losses as series of ``run``, and the summary metrics."""
-        for step, losses in enumerate(zip(*(log.losses for log in self.logs.values()), strict=True)):
-            run.log(step=step, **{f"{self.name}_{v}_loss": x for v, x in zip(self.logs, losses, strict=True)})
-        run.summary(**self.metrics())
-
-    def describe(self) -> str:
-        b, m = self.logs["baseline"], self.logs["mvas_dgr"]
-        return (f"{get_app(self.name).title.split(' (')[0]} small ({self.n_params / 1e6:.2f}M params), "
-                f"{len(b.losses)} steps: loss {b.losses[0]:.3f} -> {self.final_loss('baseline'):.3f} (eval "
-                f"{self.eval_loss['baseline']:.3f}) baseline, {m.losses[0]:.3f} -> {self.final_loss('mvas_dgr'):.3f} "
-                f"(eval {self.eval_loss['mvas_dgr']:.3f}) MVAS + DGR; step {b.step_time() * 1e3:.0f} vs "
-                f"{m.step_time() * 1e3:.0f} ms, speed {self.speed_ratio:.2f}x")
-
 
 def train_compare(name: str, dims: Mapping[str, Any], *, steps: int, batch_size: int, lr: float,
                   compute_dtype: str, weight_bytes: float, importance_batches: int, eval_batches: int,
-                  group_size: int = 1, seed: int = 0) -> TrainResult:
+                  group_size: int = 1, seed: int = 0, data_seed: int | None = None) -> TrainResult:
     """Train the small model twice from the same initial weights on the same batches, one step of each in turn:
     the baseline and MVAS + DGR (plan: Fisher diagonal at initialisation over ``importance_batches`` batches,
-    ``importance_plan`` at ``weight_bytes`` per managed weight)."""
+    ``importance_plan`` at ``weight_bytes`` per managed weight). ``seed`` sets the initial weights, the batch order
+    and MVASAdamW's rounding; ``data_seed`` (default ``seed``) the dataset (:func:`data_batches`)."""
     from macroarch.measure.machine import torch_dtype
 
     dtype = torch_dtype(compute_dtype)
-    train, evals = data_batches(name, dims, batch_size, steps, eval_batches, dtype, seed)
+    train, evals = data_batches(name, dims, batch_size, steps, eval_batches, dtype, seed, data_seed)
     torch.manual_seed(seed)
     initial = build_model(name, dims, dtype=dtype)
     probe = copy.deepcopy(initial).float()
@@ -555,7 +540,8 @@ def train_compare(name: str, dims: Mapping[str, Any], *, steps: int, batch_size:
         runs[variant] = (model, *setup(name, variant, model, train[0], plan=plan, group_size=group_size, lr=lr,
                                        seed=seed))
     logs = {v: TrainLog() for v in runs}
-    for step, batch in enumerate(tqdm(train, desc=f"{name}: training (baseline, MVAS + DGR in turn)", mininterval=10)):
+    for step, batch in enumerate(tqdm(train, desc=f"{name} seed {seed}: training (baseline, MVAS + DGR in turn)",
+                                      mininterval=10)):
         for variant, (_, runner, optimizer) in runs.items():
             start = time.perf_counter()
             loss = loss_of(runner, batch)
@@ -565,7 +551,7 @@ def train_compare(name: str, dims: Mapping[str, Any], *, steps: int, batch_size:
             logs[variant].seconds.append(time.perf_counter() - start)
             logs[variant].losses.append(loss.item())
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"{name} {variant}: loss is {loss.item()} at step {step}")
+                raise FloatingPointError(f"{name} {variant}: loss is {loss.item()} at step {step} (seed {seed})")
     eval_losses = {}
     with torch.no_grad():
         for variant, (model, runner, _) in runs.items():
@@ -573,20 +559,145 @@ def train_compare(name: str, dims: Mapping[str, Any], *, steps: int, batch_size:
             eval_losses[variant] = [loss_of(runner, b).item() for b in evals]
             model.train()
     eval_loss = {v: sum(x) / len(x) for v, x in eval_losses.items()}
-    return TrainResult(name, sum(p.numel() for p in initial.parameters()), logs, eval_loss, plan, eval_losses)
+    return TrainResult(name, sum(p.numel() for p in initial.parameters()), logs, eval_loss, plan, eval_losses, seed)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
+#: how C12-C14's held-out loss change is estimated (the interval's method, in the verdict)
+QUALITY_METHOD = "paired t over training seeds"
+
+
+@dataclass
+class PairedSeeds:
+    """One application's small model trained over paired seeds (:func:`train_compare` per seed): within a seed the
+    baseline and MVAS + DGR share the initial weights, the batch order and the held-out batches, so the held-out
+    loss change is taken per seed and its interval is over the seeds (the training draw's spread, not only the
+    evaluation's)."""
+
+    name: str
+    runs: list[TrainResult]
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ValueError(f"{self.name}: no seeds were trained")
+
+    @property
+    def seeds(self) -> list[int]:
+        return [r.seed for r in self.runs]
+
+    @property
+    def n_params(self) -> int:
+        return self.runs[0].n_params
+
+    @property
+    def steps(self) -> int:
+        return len(self.runs[0].logs["baseline"].losses)
+
+    @property
+    def plan(self) -> mvas.PrecisionPlan:
+        """The first seed's MVAS plan: the one the memory measurements carry to the full-size model."""
+        return self.runs[0].plan
+
+    def changes(self) -> list[float]:
+        """The held-out loss change of each seed (:meth:`TrainResult.loss_change`)."""
+        return [r.loss_change() for r in self.runs]
+
+    def quality_change(self) -> Estimate:
+        """The graded quality number: the mean over seeds of the per-seed relative held-out loss change, with a
+        90% t interval over the seeds (one seed: no interval, which cannot decide a grade)."""
+        return mean_interval(self.changes(), method=QUALITY_METHOD)
+
+    def repeated(self) -> Repeated:
+        """The per-seed changes behind :meth:`quality_change`, for leaving one seed out (``Run.leave_one_out``)."""
+        return Repeated(mean_interval, (tuple(self.changes()),), "seeds", {"method": QUALITY_METHOD})
+
+    def mean(self, what: Callable[[TrainResult], float]) -> float:
+        return sum(what(r) for r in self.runs) / len(self.runs)
+
+    def eval_loss(self, variant: str) -> float:
+        """Held-out loss, mean over seeds (nats)."""
+        return self.mean(lambda r: r.eval_loss[variant])
+
+    @property
+    def speed_ratio(self) -> float:
+        """Baseline step time over MVAS + DGR's, the median of the seeds' ratios (step pairs in one order, not
+        ABBA blocks: not graded)."""
+        ratios = sorted(r.speed_ratio for r in self.runs)
+        return ratios[len(ratios) // 2]
+
+    def metrics(self) -> dict[str, float]:
+        """Means over seeds (losses in nats), the speed ratio, and each seed's loss change (the raw pairs behind
+        the graded estimate)."""
+        n = self.name
+        out = {f"{n}_speed_ratio": self.speed_ratio, f"{n}_train_params": self.n_params,
+               f"{n}_quality_seeds": len(self.runs)}
+        for v in ("baseline", "mvas_dgr"):
+            out[f"{n}_{v}_first_loss"] = self.mean(lambda r, v=v: r.logs[v].losses[0])
+            out[f"{n}_{v}_final_loss"] = self.mean(lambda r, v=v: r.final_loss(v))
+            out[f"{n}_{v}_eval_loss"] = self.eval_loss(v)
+            out |= {f"{n}_seed{r.seed}_{v}_eval_loss": r.eval_loss[v] for r in self.runs}
+        out |= {f"{n}_seed{r.seed}_loss_change": r.loss_change() for r in self.runs}
+        return out
+
+    def mean_losses(self, variant: str) -> list[float]:
+        """Training loss at each step, mean over seeds (nats)."""
+        return [sum(x) / len(x) for x in zip(*(r.logs[variant].losses for r in self.runs), strict=True)]
+
+    def log_to(self, run: Any) -> None:
+        """Every step's losses (each seed's and their mean) as series of ``run``, and the summary metrics."""
+        means = {v: self.mean_losses(v) for v in ("baseline", "mvas_dgr")}
+        for step in range(self.steps):
+            row = {f"{self.name}_{v}_loss": means[v][step] for v in means}
+            row |= {f"{self.name}_seed{r.seed}_{v}_loss": r.logs[v].losses[step] for r in self.runs
+                    for v in ("baseline", "mvas_dgr")}
+            run.log(step=step, **row)
+        run.summary(**self.metrics())
+
+    def describe(self) -> str:
+        title = get_app(self.name).title.split(" (")[0]
+        rows = [f"{title} small ({self.n_params / 1e6:.2f}M params), {self.steps} steps x {len(self.runs)} paired "
+                f"seeds; losses in nats (training: mean of the last 10% of steps)"]
+        for r in self.runs:
+            b, m = r.logs["baseline"], r.logs["mvas_dgr"]
+            rows.append(f"  seed {r.seed}: baseline {b.losses[0]:.3f} -> {r.final_loss('baseline'):.3f} (held out "
+                        f"{r.eval_loss['baseline']:.3f}), MVAS + DGR {m.losses[0]:.3f} -> "
+                        f"{r.final_loss('mvas_dgr'):.3f} (held out {r.eval_loss['mvas_dgr']:.3f}): change "
+                        f"{r.loss_change():+.1%}; step {b.step_time() * 1e3:.0f} vs {m.step_time() * 1e3:.0f} ms")
+        rows.append(f"  held-out loss change {self.quality_change().describe(3)}; speed {self.speed_ratio:.2f}x")
+        return "\n".join(rows)
+
+
+def train_seeds(name: str, dims: Mapping[str, Any], *, seeds: Sequence[int], data_seed: int,
+                **kwargs: Any) -> PairedSeeds:
+    """:func:`train_compare` once per seed of ``seeds``, all on the dataset of ``data_seed`` (so every seed is
+    evaluated on the same held-out batches); ``kwargs`` are :func:`train_compare`'s."""
+    return PairedSeeds(name, [train_compare(name, dims, seed=s, data_seed=data_seed, **kwargs) for s in seeds])
+
+
 # ------------------------------------------------------------------------------------------------ claims
 
-def quality_estimates(*trains: TrainResult) -> dict[str, Estimate]:
-    """C12-C14's quality: each small run's held-out loss change (``held_out_loss_change_<model>``), and
-    ``held_out_loss_change``, the worst of them (the one the claim's quality stands or falls with)."""
+def worst_change(*per_model: Sequence[float], method: str = QUALITY_METHOD) -> Estimate:
+    """The largest (worst) of the models' held-out loss changes, each a t interval over its seeds
+    (``held_out_loss_change``: the number the claim's quality stands or falls with where no per-model one is)."""
+    return max((mean_interval(c, method=method) for c in per_model), key=lambda e: e.value)
+
+
+def quality_estimates(*trains: PairedSeeds) -> dict[str, Estimate]:
+    """C12-C14's quality: each small model's held-out loss change over paired seeds
+    (``held_out_loss_change_<model>``), and ``held_out_loss_change``, the worst of them."""
     per = {f"held_out_loss_change_{t.name}": t.quality_change() for t in trains}
-    return {**per, "held_out_loss_change": max(per.values(), key=lambda e: e.value)}
+    return {**per, "held_out_loss_change": worst_change(*(t.changes() for t in trains))}
+
+
+def quality_repeated(*trains: PairedSeeds) -> dict[str, Repeated]:
+    """The per-seed data behind :func:`quality_estimates`, for ``Run.leave_one_out``: seed i of every model is
+    left out together (they share the seed's number, not its draw)."""
+    per = {f"held_out_loss_change_{t.name}": t.repeated() for t in trains}
+    worst = Repeated(worst_change, tuple(tuple(t.changes()) for t in trains), "seeds", {"method": QUALITY_METHOD})
+    return {**per, "held_out_loss_change": worst}
 
 
 def c12_metrics(table: SizeTable, crop: int) -> dict[str, float]:
@@ -630,50 +741,100 @@ def c14_metrics(*fits: FitTable) -> dict[str, float]:
     return out
 
 
+def c12_estimates(table: SizeTable, crop: int) -> dict[str, Estimate]:
+    """C12's graded memory numbers at ``crop``: the reductions against the plain and the checkpointed baseline,
+    exact byte ratios (points)."""
+    m = c12_metrics(table, crop)
+    return {k: exact(m[k]) for k in ("memory_reduction", "memory_reduction_vs_checkpoint")}
+
+
+def c13_estimates(fits: FitTable) -> dict[str, Estimate]:
+    """C13's graded batch growth per budget (and the smallest, ``batch_growth``): exact counts' ratios."""
+    return {k: exact(v, "x") for k, v in c13_metrics(fits).items() if k.startswith("batch_growth")}
+
+
+def c14_estimates(*fits: FitTable) -> dict[str, Estimate]:
+    """C14's frames per model and budget, with and without the techniques: exact counts."""
+    return {k: exact(v, "frames") for k, v in c14_metrics(*fits).items()}
+
+
 def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 1e6:.1f} MB"
 
 
-def _train_note(m: Mapping[str, float], name: str) -> str:
-    """The small run of ``name`` in one clause (empty when the metrics hold none)."""
-    if f"{name}_speed_ratio" not in m:
+def _estimate(m: Mapping[str, Any], key: str, unit: str = "") -> Estimate:
+    """A graded number as recorded (``Run.measurements``: an estimate's dict); a bare number is an exact count."""
+    x = m[key]
+    return as_estimate(x) if isinstance(x, Estimate) or is_estimate_dict(x) else exact(float(x), unit)
+
+
+def _value(m: Mapping[str, Any], key: str) -> float:
+    x = m[key]
+    return as_estimate(x).value if isinstance(x, Estimate) or is_estimate_dict(x) else float(x)
+
+
+def _short_title(name: str) -> str:
+    return get_app(name).title.split(" (")[0]
+
+
+def _quality_text(m: Mapping[str, Any], names: Sequence[str]) -> str:
+    """Each small model's graded held-out loss change, with its interval (empty when the run holds none)."""
+    cells = [f"{_short_title(n)} {_estimate(m, k).describe(3)}" for n in names
+             if (k := f"held_out_loss_change_{n}") in m]
+    return ("small runs' held-out loss with MVAS + DGR relative to the baseline's (technique / baseline - 1): "
+            + ", ".join(cells)) if cells else ""
+
+
+def _train_note(m: Mapping[str, Any], name: str) -> str:
+    """The small runs of ``name`` in one clause (empty when the metrics hold none)."""
+    n = name
+    if f"{n}_speed_ratio" not in m:
         return ""
-    f = {v: (m[f"{name}_{v}_final_loss"], m[f"{name}_{v}_eval_loss"]) for v in ("baseline", "mvas_dgr")}
-    return (f"{get_app(name).title.split(' (')[0]} small run: training loss {f['baseline'][0]:.3f} vs "
-            f"{f['mvas_dgr'][0]:.3f} with MVAS + DGR (held out {f['baseline'][1]:.3f} vs {f['mvas_dgr'][1]:.3f}), "
-            f"speed {m[f'{name}_speed_ratio']:.2f}x")
+    f = {v: (_value(m, f"{n}_{v}_final_loss"), _value(m, f"{n}_{v}_eval_loss")) for v in ("baseline", "mvas_dgr")}
+    seeds = int(_value(m, f"{n}_quality_seeds")) if f"{n}_quality_seeds" in m else 1
+    return (f"{_short_title(n)} small runs (mean of {seeds} paired seeds): training loss {f['baseline'][0]:.3f} vs "
+            f"{f['mvas_dgr'][0]:.3f} nats with MVAS + DGR (held out {f['baseline'][1]:.3f} vs {f['mvas_dgr'][1]:.3f}), "
+            f"speed {_value(m, f'{n}_speed_ratio'):.2f}x (not graded)")
 
 
-def verdict_texts(claim_id: str, metrics: Mapping[str, float], scale: str) -> dict[str, str]:
-    """``scale``, ``measured_text`` and ``note`` for ``get_claim(claim_id).grade`` of C12, C13 or C14: the figures
-    that make the verdict, read from a run's metrics."""
-    m = metrics
+def verdict_texts(claim_id: str, measurements: Mapping[str, Any], scale: str) -> dict[str, str]:
+    """``scale``, ``measured_text`` and ``note`` for ``get_claim(claim_id).grade`` of C12, C13 or C14, read from a
+    run's ``measurements`` (``Run.measurements``: metrics with each graded number's estimate): every graded number
+    in the measured text with its interval, n and method (``Estimate.describe``; exact counts say so)."""
+    m = measurements
+    names = {"C12": ["esmfold_trunk"], "C13": ["pointnet"], "C14": ["timesformer", "videomae"]}.get(claim_id)
+    if names is None:
+        raise ValueError(f"claim {claim_id!r} is not one of this notebook's (C12, C13, C14)")
     if claim_id == "C12":
-        crop = int(m["graded_crop"])
-        base, stack = m[f"esmfold_trunk_baseline_{crop}_peak_bytes"], m[f"esmfold_trunk_mvas_dgr_{crop}_peak_bytes"]
-        ck, ck_stack = (m[f"esmfold_trunk_{v}_{crop}_peak_bytes"] for v in ("checkpoint", "checkpoint_mvas_dgr"))
-        text = (f"{_gb(base)} -> {_gb(stack)} ({-m['memory_reduction']:+.0%}) at crop {crop}; checkpointed "
-                f"{_gb(ck)} -> {_gb(ck_stack)} ({-m['memory_reduction_vs_checkpoint']:+.0%})")
-        note = (f"state {_gb(m[f'esmfold_trunk_baseline_{crop}_state_bytes'])} -> "
-                f"{_gb(m[f'esmfold_trunk_mvas_dgr_{crop}_state_bytes'])}, activations "
-                f"{_gb(m[f'esmfold_trunk_baseline_{crop}_activation_bytes'])} -> "
-                f"{_gb(m[f'esmfold_trunk_mvas_dgr_{crop}_activation_bytes'])}; activation checkpointing alone "
+        crop = int(_value(m, "graded_crop"))
+        peak = {v: _value(m, f"esmfold_trunk_{v}_{crop}_peak_bytes") for v in VARIANTS}
+        text = (f"peak-memory reduction at crop {crop}: against the plain baseline "
+                f"{_estimate(m, 'memory_reduction').describe(3)} ({_gb(peak['baseline'])} -> "
+                f"{_gb(peak['mvas_dgr'])}), against the checkpointed one "
+                f"{_estimate(m, 'memory_reduction_vs_checkpoint').describe(3)} ({_gb(peak['checkpoint'])} -> "
+                f"{_gb(peak['checkpoint_mvas_dgr'])})")
+        note = (f"state {_gb(_value(m, f'esmfold_trunk_baseline_{crop}_state_bytes'))} -> "
+                f"{_gb(_value(m, f'esmfold_trunk_mvas_dgr_{crop}_state_bytes'))}, activations "
+                f"{_gb(_value(m, f'esmfold_trunk_baseline_{crop}_activation_bytes'))} -> "
+                f"{_gb(_value(m, f'esmfold_trunk_mvas_dgr_{crop}_activation_bytes'))}; activation checkpointing alone "
                 f"{-m.get(f'checkpoint_reduction_{crop}', float('nan')):+.0%}, with MVAS + DGR "
                 f"{-m.get(f'checkpoint_mvas_dgr_reduction_{crop}', float('nan')):+.0%}")
     elif claim_id == "C13":
-        cells = sorted((k, v) for k, v in m.items() if k.startswith("batch_growth_"))
-        text = ", ".join(f"{k[13:-2]} GB {v:.2f}x" for k, v in cells)
-        ckpt = sorted((k, v) for k, v in m.items() if k.startswith("checkpoint_batch_growth_"))
+        cells = sorted((k for k in m if k.startswith("batch_growth_") and k.endswith("gb")),
+                       key=lambda k: float(k[13:-2]))
+        text = "largest batch with MVAS + DGR over the baseline's: " + ", ".join(
+            f"{k[13:-2]} GB {_estimate(m, k, 'x').describe(3)}" for k in cells)
+        ckpt = sorted((k, _value(m, k)) for k in m if k.startswith("checkpoint_batch_growth_"))
         note = ("activation checkpointing alone: " + ", ".join(f"{k[24:-2]} GB {v:.2f}x" for k, v in ckpt)
                 if ckpt else "")
-    elif claim_id == "C14":
-        text = ", ".join(f"{k[11:]}: {v:.0f} ({m.get('baseline_frames_' + k[11:], float('nan')):.0f})"
-                         for k, v in sorted(m.items()) if k.startswith("max_frames_") and k.endswith("gb")) + \
-            " frames with MVAS + DGR (without)"
-        note = ""
     else:
-        raise ValueError(f"claim {claim_id!r} is not one of this notebook's (C12, C13, C14)")
-    names = {"C12": ["esmfold_trunk"], "C13": ["pointnet"], "C14": ["timesformer", "videomae"]}[claim_id]
+        cells = sorted(k[len("max_frames_"):] for k in m if k.startswith("max_frames_") and k.endswith("gb"))
+        text = "longest clip: " + ", ".join(
+            f"{_short_title(next(n for n in names if c.startswith(n)))} {c.rsplit('_', 1)[1][:-2]} GB "
+            f"{_estimate(m, f'max_frames_{c}', 'frames').describe()} with MVAS + DGR, "
+            f"{_estimate(m, f'baseline_frames_{c}', 'frames').describe()} without" for c in cells)
+        note = ""
+    text = "; ".join(x for x in (text, _quality_text(m, names)) if x)
     note = "; ".join(x for x in (note, *(_train_note(m, n) for n in names)) if x)
     return {"scale": scale, "measured_text": text, "note": note}
 
@@ -682,68 +843,265 @@ def verdict_texts(claim_id: str, metrics: Mapping[str, float], scale: str) -> di
 
 _COLORS = {"parameters": "C0", "gradients": "C1", "optimizer_state": "C2", "master_weights": "C3",
            "activations": "C7", "temporaries": "C8", "other": "C9"}
-_SHORT = {"baseline": "base", "mvas_dgr": "M+D", "checkpoint": "ckpt", "checkpoint_mvas_dgr": "ckpt+M+D"}
+#: tick labels of the variants (the baseline: bf16 + fp32 master AdamW; checkpointing of every block)
+_SHORT = {"baseline": "baseline", "mvas_dgr": "MVAS + DGR", "checkpoint": "checkpointing",
+          "checkpoint_mvas_dgr": "ckpt. + MVAS + DGR"}
+_STYLE = {"baseline": ("C0", "-"), "mvas_dgr": ("C3", "--"), "checkpoint": ("C2", "-."),
+          "checkpoint_mvas_dgr": ("C4", ":")}
+_SEARCHED = {"crop": "crop (residues)", "batch": "batch (point clouds)", "frames": "clip length (frames)"}
+_BELOW = dict(loc="upper center", fontsize=8, frameon=False)  # legends under their axes, never over the data
+_TARGET = dict(color="C2", ls="--", lw=1.2)
+_BAND = dict(color="0.85", zorder=0)
+_WIDTH = 8.2  # inches: the report scales every figure to 6.69 in, so 8-pt text prints at 6.5 pt or more
 
 
-def plot_claim(title: str, *, tables: Sequence[SizeTable] = (), fits: Sequence[FitTable] = (),
-               trains: Sequence[TrainResult] = ()) -> Any:
-    """One row of panels: bytes by category (``tables``), peak against size with the budgets (``fits``),
-    training loss of the small runs (``trains``)."""
-    import matplotlib.pyplot as plt
+def _targets(targets: Sequence[Any]) -> dict[str, Any]:
+    """The registry's targets by metric (``get_claim(cid).targets``, passed in by the notebook)."""
+    return {t.metric: t for t in targets}
+
+
+def _unit(peak_bytes: float) -> tuple[str, float]:
+    return ("GB", GB) if peak_bytes >= 0.1 * GB else ("MB", 1e6)
+
+
+def _legend_below(ax: Any, ncol: int = 2, offset: float = -0.22) -> None:
+    ax.legend(bbox_to_anchor=(0.5, offset), ncol=ncol, **_BELOW)
+
+
+def _log2_ticks(axis: Any, lo: float, hi: float, most: int = 6) -> None:
+    """Powers of two from ``lo`` to ``hi`` as the major ticks of a log axis (at most ``most``), written plainly."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    ticks = [2.0 ** k for k in range(math.floor(math.log2(lo)), math.ceil(math.log2(hi)) + 1)]
+    ticks = ticks[::max(1, math.ceil(len(ticks) / most))]
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _category_panel(ax: Any, table: SizeTable) -> None:
+    """The step's peak per variant (and size) as horizontal bars, stacked by the categories live at that moment."""
+    app = get_app(table.name)
+    sizes = list(next(iter(table.reports.values())))
+    unit, div = _unit(max(r.peak_bytes for by in table.reports.values() for r in by.values()))
+    y, ticks, labels, top = 0.0, [], [], 0.0
+    for size in sizes:
+        for v, by_size in table.reports.items():
+            left = 0.0
+            for k, color in _COLORS.items():
+                w = by_size[size].by_category[k] / div
+                ax.barh(y, w, 0.8, left=left, color=color, label=k.replace("_", " ") if y == 0 else None)
+                left += w
+            top = max(top, left)
+            ticks.append(y)
+            labels.append(_SHORT[v] + (f", {size}" if len(sizes) > 1 else ""))
+            y -= 1
+        y -= 0.6
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlim(0, top * 1.08)  # no bar runs into the frame
+    at = f" and {app.searched}" if len(sizes) > 1 else ""
+    ax.set(xlabel=f"{unit} at the step's peak", ylabel=f"variant{at}")
+    ax.set_title(f"{_short_title(table.name)}: one step by category" +
+                 ("" if len(sizes) > 1 else f" ({sizes[0]} {app.unit}s)"), fontsize=9)
+
+
+def _fit_panel(ax: Any, table: FitTable) -> None:
+    """Peak of one step against the searched size per variant, the budgets (dotted) and what fits (stars)."""
+    app = get_app(table.name)
+    budgets = list(next(iter(table.fits.values())))
+    peaks = [p for c in table.curves.values() for p in c.values()] + [b * GB for b in budgets]
+    unit, div = _unit(max(peaks))
+    for v, curve in table.curves.items():
+        color, ls = _STYLE[v]
+        sizes = sorted(curve)
+        ax.plot(sizes, [curve[s] / div for s in sizes], marker="o", ms=3, color=color, ls=ls, label=LABELS[v])
+        for fit in table.fits[v].values():
+            ax.plot(fit.size, fit.peak_bytes / div, "*", ms=10, color=color)
+    for i, b in enumerate(budgets):
+        ax.axhline(b * GB / div, color="k", ls=":", lw=0.8,
+                   label=f"budgets ({', '.join(f'{x:g}' for x in budgets)} GB); stars: what fits" if i == 0 else None)
+    if app.searched == "frames":
+        ax.axvline(128, **_TARGET, label="the post's 128 frames")
+    sizes = [s for c in table.curves.values() for s in c]
+    ax.set(xscale="log", yscale="log", xlabel=_SEARCHED[app.searched], ylabel=f"peak {unit} of one step")
+    _log2_ticks(ax.xaxis, min(sizes), max(sizes))
+    ax.margins(0.1)  # a star at the largest size or budget stays inside the frame
+    ax.set_title(f"{_short_title(table.name)}: what fits", fontsize=9)
+    _legend_below(ax, ncol=1, offset=-0.2)
+
+
+def _estimate_marks(ax: Any, x: float, samples: Sequence[float], est: Estimate, *, scale: float, first: bool) -> None:
+    """Per-seed values (grey dots) and the estimate with its interval (a diamond with caps) at ``x``."""
     import numpy as np
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    n = len(tables) + len(fits) + len(trains)
-    cols = min(n, 3)
-    rows = -(-n // cols)
-    fig, grid = plt.subplots(rows, cols, figsize=(5.4 * cols, 4.3 * rows), squeeze=False)
-    for ax in grid.flat[n:]:
+    y = np.asarray(samples, dtype=float) * scale
+    jitter = np.random.default_rng(0).uniform(-0.08, 0.08, len(y))
+    ax.scatter(x - 0.15 + jitter, y, s=16, color="0.45", lw=0, label="one paired seed" if first else None)
+    lo, hi = (est.low, est.high) if est.has_interval else (est.value, est.value)
+    ax.errorbar([x + 0.15], [est.value * scale], yerr=[[(est.value - lo) * scale], [(hi - est.value) * scale]],
+                fmt="D", color="k", ms=5, capsize=5, lw=1.5,
+                label=(f"mean, {est.confidence:.0%} t interval" if est.has_interval else "mean (one seed: no "
+                       "interval)") if first else None)
+
+
+def _quality_panel(ax: Any, trains: Sequence[PairedSeeds], target: Any) -> None:
+    """The graded held-out loss change per small model: each seed, the mean with its 90% interval, the 5% margin
+    (the target) and the no-effect band."""
+    for i, t in enumerate(trains):
+        _estimate_marks(ax, i, t.changes(), t.quality_change(), scale=100, first=i == 0)
+    ax.axhspan(*(100 * x for x in target.no_effect), **_BAND, label="no-effect band")
+    ax.axhline(100 * target.hi, **_TARGET, label=f"graded margin: at most {100 * target.hi:+g}%")
+    ax.set_xticks(range(len(trains)), [f"{_short_title(t.name)}\n(n={len(t.runs)})" for t in trains], fontsize=8)
+    ax.set_xlim(-0.6, len(trains) - 0.4)
+    ax.set(xlabel="small model (paired training seeds)", ylabel="held-out loss, MVAS + DGR\nvs baseline (%)")
+    ax.set_title("graded: quality kept (held-out loss change)", fontsize=9)
+    _legend_below(ax, ncol=1, offset=-0.3)
+
+
+def _loss_panel(ax: Any, trains: Sequence[PairedSeeds]) -> None:
+    """Training loss of the small runs, mean over seeds (a running mean over 5% of the steps)."""
+    import numpy as np
+
+    for i, t in enumerate(trains):
+        for v in ("baseline", "mvas_dgr"):
+            losses = t.mean_losses(v)
+            k = max(1, len(losses) // 20)
+            ax.plot(np.arange(k - 1, len(losses)), np.convolve(losses, np.ones(k) / k, mode="valid"),
+                    color=f"C{2 * i}" if v == "baseline" else f"C{2 * i + 1}", ls=_STYLE[v][1],
+                    label=f"{_short_title(t.name)}, {LABELS[v]}")
+    seeds = len(trains[0].runs)
+    ax.set(xlabel="step", ylabel="training loss (nats)")
+    ax.set_title(f"small runs: training loss (mean of {seeds} seed{'s' * (seeds > 1)})", fontsize=9)
+    _legend_below(ax, ncol=1, offset=-0.2)
+
+
+def _held_out_panel(ax: Any, trains: Sequence[PairedSeeds]) -> None:
+    """Each seed's held-out loss, baseline and MVAS + DGR joined: the pairs the graded change is taken from."""
+    for i, t in enumerate(trains):
+        for j, r in enumerate(t.runs):
+            ax.plot([0, 1], [r.eval_loss["baseline"], r.eval_loss["mvas_dgr"]], "o-", color=f"C{2 * i}", ms=4,
+                    lw=0.8, alpha=0.8, label=f"{_short_title(t.name)}: one line per seed" if j == 0 else None)
+    ax.set_xticks([0, 1], [_SHORT["baseline"], _SHORT["mvas_dgr"]], fontsize=8)
+    ax.set_xlim(-0.4, 1.4)
+    ax.margins(y=0.15)
+    ax.set(xlabel="variant (same initial weights, batches\nand held-out batches per seed)",
+           ylabel="held-out loss (nats)")
+    ax.set_title("small runs: held-out loss per paired seed", fontsize=9)
+    _legend_below(ax, ncol=1, offset=-0.3)
+
+
+def _graded_bars(ax: Any, labels: Sequence[str], values: Sequence[float], *, target: Any, post: float,
+                 post_text: str, unit: str, scale: float = 1.0) -> None:
+    """Graded exact numbers as bars (value in the tick label), the post's number (dashed), the graded threshold
+    (dotted) and the no-effect band."""
+    xs = range(len(values))
+    ax.bar(xs, [v * scale for v in values], 0.6, color="C3", label="measured (exact count)")
+    ax.axhspan(*(scale * x for x in target.no_effect), **_BAND, label="no-effect band")
+    ax.axhline(post * scale, **_TARGET, label=post_text)
+    ax.axhline(target.lo * scale, color="C2", ls=":", lw=1.2,
+               label=f"graded threshold: at least {target.lo * scale:.3g}{unit}")
+    top = max(post, target.lo, *values) * scale
+    ax.set_ylim(min(0.0, *(v * scale for v in values)) - 0.05 * top, top * 1.15)
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_xlim(-0.6, len(values) - 0.4)
+
+
+def _figure(rows: int, title: str) -> tuple[Any, list[Any]]:
+    import matplotlib.pyplot as plt
+
+    fig, grid = plt.subplots(rows, 2, figsize=(_WIDTH, 3.6 * rows + 0.4), layout="constrained", squeeze=False)
+    fig.suptitle(title, fontsize=11)
+    return fig, list(grid.flat)
+
+
+def _category_legend(fig: Any, ax: Any) -> None:
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8, frameon=False,
+               title="categories (bars of the step-by-category panels)", title_fontsize=8)
+
+
+def plot_c12(table: SizeTable, fits: FitTable, train: PairedSeeds, crop: int, targets: Sequence[Any]) -> Any:
+    """C12: the trunk's step by category at every crop, what fits, the graded reductions at ``crop`` against the
+    55% target (``targets``: ``get_claim("C12").targets``), the graded quality and the small runs' losses."""
+    t = _targets(targets)
+    fig, (cat, fit, graded, quality, loss, held) = _figure(3, "C12: ESMFold folding trunk with and without MVAS + DGR")
+    _category_panel(cat, table)
+    _fit_panel(fit, fits)
+    reductions = [table.reduction(crop), table.reduction(crop, "checkpoint_mvas_dgr", "checkpoint")]
+    _graded_bars(graded, [f"plain\n{reductions[0]:.1%}", f"checkpointed\n{reductions[1]:.1%}"], reductions,
+                 target=t["memory_reduction"], post=0.55, post_text="the post: 55% less", unit="%", scale=100)
+    graded.set(xlabel="MVAS + DGR against the baseline", ylabel=f"peak-memory reduction\nat crop {crop} (%)")
+    graded.set_title("graded: memory reduction (exact byte ratios)", fontsize=9)
+    _legend_below(graded, ncol=1, offset=-0.3)
+    _quality_panel(quality, [train], t["held_out_loss_change"])
+    _loss_panel(loss, [train])
+    _held_out_panel(held, [train])
+    _category_legend(fig, cat)
+    return fig
+
+
+def plot_c13(table: SizeTable, fits: FitTable, train: PairedSeeds, targets: Sequence[Any]) -> Any:
+    """C13: PointNet's step by category, what fits, the graded batch growth per budget against 4x (``targets``:
+    ``get_claim("C13").targets``), the graded quality and the small runs' losses."""
+    t = _targets(targets)
+    fig, (cat, fit, graded, quality, loss, held) = _figure(3, "C13: PointNet's largest batch with and without "
+                                                              "MVAS + DGR")
+    _category_panel(cat, table)
+    _fit_panel(fit, fits)
+    budgets = list(fits.fits["baseline"])
+    growth = [fits.growth(b) for b in budgets]
+    _graded_bars(graded, [f"{b:g} GB\n{g:.2f}x" for b, g in zip(budgets, growth, strict=True)], growth,
+                 target=t["batch_growth"], post=4.0, post_text="the post: 4x", unit="x")
+    graded.set(xlabel="memory budget", ylabel="largest batch, MVAS + DGR\nover the baseline's (x)")
+    graded.set_title("graded: batch growth (exact counts)", fontsize=9)
+    _legend_below(graded, ncol=1, offset=-0.3)
+    _quality_panel(quality, [train], t["held_out_loss_change"])
+    _loss_panel(loss, [train])
+    _held_out_panel(held, [train])
+    _category_legend(fig, cat)
+    return fig
+
+
+def _frames_panel(ax: Any, fits: Sequence[FitTable], target: Any) -> None:
+    """C14's graded cells: the longest clip per model and budget, with and without the techniques, against 128."""
+    import numpy as np
+
+    cells = [(f, b) for f in fits for b in f.fits["baseline"]]
+    x = np.arange(len(cells))
+    sizes = [f.size(v, b) for f, b in cells for v in ("baseline", "mvas_dgr")] + [target.lo]
+    bottom = min(sizes) / 2  # log axis: each bar starts at the axis' bottom, not at 0
+    for j, v in enumerate(("baseline", "mvas_dgr")):
+        ax.bar(x + (j - 0.5) * 0.38, [f.size(v, b) - bottom for f, b in cells], 0.36, bottom=bottom,
+               color=_STYLE[v][0], label=f"{LABELS[v]} (exact count)")
+    ax.axhline(target.lo, **_TARGET, label=f"the post: {target.lo:g} frames")
+    ax.set_yscale("log", base=2)
+    _log2_ticks(ax.yaxis, bottom, max(sizes) * 2)
+    ax.set_ylim(bottom, max(sizes) * 2)
+    first = {f.name: min(f.fits["baseline"]) for f in fits}  # the model's name under its first budget only
+    ax.set_xticks(x, [f"{b:g} GB" + (f"\n{_short_title(f.name).removesuffix('-base')}" if b == first[f.name] else "")
+                      for f, b in cells], fontsize=8)
+    ax.set(xlabel="model and memory budget", ylabel="longest clip that fits (frames)")
+    ax.set_title("graded: frames per cell (reproduced where only\nMVAS + DGR reaches 128)", fontsize=9)
+    _legend_below(ax, ncol=1, offset=-0.3)
+
+
+def plot_c14(tables: Sequence[SizeTable], fits: Sequence[FitTable], trains: Sequence[PairedSeeds],
+             targets: Sequence[Any]) -> Any:
+    """C14: each video model's step by category and what fits, the graded frames per cell against 128
+    (``targets``: ``get_claim("C14").targets``), the graded quality and the small runs' losses."""
+    t = _targets(targets)
+    rows = len(tables) + 2
+    fig, axes = _figure(rows, "C14: the longest clip of the video models with and without MVAS + DGR")
+    panels = iter(axes)
+    for table, fit in zip(tables, fits, strict=True):
+        _category_panel(next(panels), table)
+        _fit_panel(next(panels), fit)
+    _frames_panel(next(panels), fits, t["max_frames"])
+    _quality_panel(next(panels), trains, t["held_out_loss_change"])
+    _loss_panel(next(panels), trains)
+    _held_out_panel(next(panels), trains)
+    for ax in panels:
         ax.set_visible(False)
-    axes = iter(grid.flat)
-    for table in tables:
-        ax, app = next(axes), get_app(table.name)
-        x, ticks = 0.0, []
-        for size in next(iter(table.reports.values())):
-            for v, by_size in table.reports.items():
-                bottom = 0.0
-                for k, color in _COLORS.items():
-                    h = by_size[size].by_category[k] / GB
-                    ax.bar(x, h, bottom=bottom, color=color, label=k.replace("_", " ") if x == 0 else None)
-                    bottom += h
-                ticks.append((x, f"{_SHORT[v]} {size}"))
-                x += 1
-            x += 0.6
-        ax.set_xticks(*zip(*ticks))
-        ax.tick_params(axis="x", labelsize=7, labelrotation=60)
-        ax.set(ylabel="GB at the peak", title=f"{app.title.split(' (')[0]}: step by category ({app.searched})")
-        ax.legend(fontsize=7)
-    for table in fits:
-        ax, app = next(axes), get_app(table.name)
-        for i, (v, curve) in enumerate(table.curves.items()):
-            sizes = sorted(curve)
-            ax.plot(sizes, [curve[s] / GB for s in sizes], "o-", ms=3, color=f"C{i}", label=LABELS[v])
-            for fit in table.fits[v].values():
-                ax.plot(fit.size, fit.peak_bytes / GB, "*", ms=11, color=f"C{i}")
-        for b in next(iter(table.fits.values())):
-            ax.axhline(b, color="k", ls=":", lw=0.8)
-        if app.searched == "frames":
-            ax.axvline(128, color="r", ls="--", lw=0.8, label="the post's 128 frames")
-        ax.set(xscale="log", yscale="log", xlabel=app.searched, ylabel="peak GB of one step",
-               title=f"{app.title.split(' (')[0]}: what fits (stars; dotted: budgets)")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.legend(fontsize=7)
-    for r in trains:
-        ax = next(axes)
-        for v, log in r.logs.items():
-            k = max(1, len(log.losses) // 20)
-            smooth = np.convolve(log.losses, np.ones(k) / k, mode="valid")
-            ax.plot(smooth, label=LABELS[v], ls="--" if "mvas" in v else "-")
-        ax.set(xlabel="step", ylabel="training loss", title=f"{get_app(r.name).title.split(' (')[0]}: small run "
-                                                            f"({r.n_params / 1e6:.2f}M params)")
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
+    _category_legend(fig, axes[0])
     return fig
 
 
@@ -777,6 +1135,9 @@ class ApplicationsSettings(Settings):
     """Batches of the Fisher diagonal at initialisation (the MVAS plan)."""
     eval_batches: int
     """Held-out batches of the eval loss."""
+    quality_seeds: int
+    """Small runs: paired training seeds ``seed, seed + 1, ...`` (each one initialisation, batch order and MVASAdamW
+    rounding for both variants; the dataset and its held-out batches are ``seed``'s for all of them)."""
     published: bool
     """The published sizes under fake tensors (false: the small runs' sizes on real tensors)."""
     budgets_gb: tuple[float, ...]
@@ -821,8 +1182,8 @@ class ApplicationsSettings(Settings):
     def __post_init__(self) -> None:
         self._positive("threads", "train_steps", "train_batch", "train_width", "train_layers", "train_crop",
                        "train_points", "train_frames", "train_image", "importance_batches", "eval_batches",
-                       "max_size", "graded_crop", "check_depth", "table_batch", "table_frames", "check_budget_mb",
-                       "group_size", "weight_bytes", "lr", "video_batch")
+                       "quality_seeds", "max_size", "graded_crop", "check_depth", "table_batch", "table_frames",
+                       "check_budget_mb", "group_size", "weight_bytes", "lr", "video_batch")
         self._non_empty("budgets_gb", "fit_variants", "crops", "check_variants")
         for name in ("fit_variants", "check_variants"):
             if any(v not in VARIANTS for v in getattr(self, name)):
@@ -851,15 +1212,16 @@ def models(settings: ApplicationsSettings) -> list[str]:
     return ["esmfold_trunk", "pointnet", *settings.video_models]
 
 
-def train_all(settings: ApplicationsSettings) -> dict[str, TrainResult]:
-    """``train_compare`` of every model of the run, at the notebook's small sizes (MVAS kernels compiled or eager
-    as ``compile_mvas`` says)."""
+def train_all(settings: ApplicationsSettings) -> dict[str, PairedSeeds]:
+    """:func:`train_seeds` of every model of the run over ``quality_seeds`` paired seeds from ``seed``, at the
+    notebook's small sizes (MVAS kernels compiled or eager as ``compile_mvas`` says)."""
     s = settings
+    seeds = range(s.seed, s.seed + s.quality_seeds)
     with mvas_kernels(compiled=s.compile_mvas):
-        return {m: train_compare(m, small_dims(m, **_small(s)), steps=s.train_steps, batch_size=s.train_batch,
-                                 eval_batches=s.eval_batches, lr=s.lr, compute_dtype=s.compute_dtype,
-                                 weight_bytes=s.weight_bytes, importance_batches=s.importance_batches,
-                                 group_size=s.group_size, seed=s.seed)
+        return {m: train_seeds(m, small_dims(m, **_small(s)), seeds=seeds, data_seed=s.seed, steps=s.train_steps,
+                               batch_size=s.train_batch, eval_batches=s.eval_batches, lr=s.lr,
+                               compute_dtype=s.compute_dtype, weight_bytes=s.weight_bytes,
+                               importance_batches=s.importance_batches, group_size=s.group_size)
                 for m in models(s)}
 
 
@@ -875,7 +1237,7 @@ def measurements(name: str, settings: ApplicationsSettings, plan: mvas.Precision
                         base=base, fake=s.published, max_size=s.max_size)
 
 
-def scale(meas: Measurements, train: TrainResult, settings: ApplicationsSettings) -> str:
+def scale(meas: Measurements, train: PairedSeeds, settings: ApplicationsSettings) -> str:
     """The verdict's scale: the measured model, how it was measured, and the small run with its hardware."""
     from macroarch.measure.machine import describe, machine_info
 
@@ -884,8 +1246,8 @@ def scale(meas: Measurements, train: TrainResult, settings: ApplicationsSettings
     size = {"crop": "one protein per step", "batch": f"{meas.base.get('points')} points per cloud",
             "frames": f"{meas.video_batch} clip(s) of {meas.base.get('image')} px per step"}[meas.app.searched]
     return (f"{meas.app.title if s.published else meas.name + ' at toy size'}, {meas.n_params / 1e6:.1f}M "
-            f"params, {size}, bf16, DGR groups of {meas.group_size}: fake tensors (CPU kernels){depth}; small run "
-            f"{train.n_params / 1e6:.2f}M params, {len(train.logs['baseline'].losses)} steps, "
+            f"params, {size}, bf16, DGR groups of {meas.group_size}: fake tensors (CPU kernels){depth}; small runs "
+            f"{train.n_params / 1e6:.2f}M params, {train.steps} steps x {len(train.runs)} paired seeds, "
             f"{describe(machine_info(), s.compute_dtype)}")
 
 

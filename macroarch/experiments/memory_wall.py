@@ -285,13 +285,20 @@ def headline(accounting: Accounting, measured: Measured, card_gb: int) -> tuple[
     return estimates, metrics
 
 
+_WIDTH = 8.2  # inches: the report scales every figure to 6.69 in, so 8-pt text prints at 6.5 pt or more
+_BELOW = dict(loc="upper center", fontsize=8, frameon=False)  # legends under their axes, never over the data
+
+
 def plot_bytes_by_category(accounting: Accounting, measured: Measured, settings: MemoryWallSettings) -> Figure:
-    """Left: per policy, the step's measured peak as a stack of the categories live at that moment, the post's 1.4 TB
-    and one card drawn. Right: the activations saved for backward as measured, with the analytic counts (this
-    device's kernels, GPU kernels, Korthikanti et al.) beside them as cross-checks."""
+    """Left: per policy, the step's measured peak as a stack of the categories live at that moment (peak and exact
+    state in the tick labels), the post's 1.4 TB and one card drawn. Right: the activations saved for backward as
+    measured, with the analytic counts (this device's kernels, GPU kernels, Korthikanti et al.) beside them as
+    cross-checks. Values sit in the tick labels and the lines are named in the legends below, so nothing is
+    written over a bar or a line."""
     full = full_size(accounting, measured)
     whole = next(iter(full.values())).whole
-    fig, (ax, act) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw=dict(width_ratios=[1.6, 1]))
+    fig, (ax, act) = plt.subplots(1, 2, figsize=(_WIDTH, 5.4), layout="constrained",
+                                  gridspec_kw=dict(width_ratios=[1.25, 1]))
     seen: set[str] = set()
     for i, f in enumerate(full.values()):
         bottom = 0
@@ -302,66 +309,60 @@ def plot_bytes_by_category(accounting: Accounting, measured: Measured, settings:
                 seen.add(k)
                 ax.bar(i, v / 1e12, bottom=bottom / 1e12, width=0.55, color=COLORS[k], label=label)
                 bottom += v
-        ax.text(i, f.peak / 1e12, f"peak {'' if f.whole else '<= '}{f.peak / 1e12:.3f} TB\n"
-                f"(state {sum(f.state.values()) / 1e12:.3f} TB, exact)", ha="center", va="bottom", fontsize=8,
-                clip_on=True)
-    top = max(max(f.peak for f in full.values()) / 1e12 * 1.3, 1.6)
     card_tb = settings.card_gb / 1e3
-    ax.axhline(card_tb, color="k", ls="--", lw=1)
-    ax.text(len(full) - 0.45, card_tb, f"one {settings.card_gb} GB card", va="bottom", ha="right", fontsize=8,
-            clip_on=True)
-    ax.axhline(1.4, color="grey", ls=":", lw=1)
-    ax.text(len(full) - 0.45, 1.4, "post: 1.4 TB", va="bottom", ha="right", fontsize=8, color="dimgrey",
-            clip_on=True)
-    ax.set_xticks(range(len(full)), [POLICY_LABELS.get(p, p) for p in full])
+    ax.axhline(1.4, color="grey", ls=":", lw=1.2, label="the post: 1.4 TB")
+    ax.axhline(card_tb, color="k", ls="--", lw=1, label=f"one {settings.card_gb} GB card")
+    ax.set_xticks(range(len(full)), [f"{POLICY_LABELS.get(p, p)}\npeak {'' if f.whole else '<= '}"
+                                     f"{f.peak / 1e12:.3f} TB\nstate {sum(f.state.values()) / 1e12:.3f} TB "
+                                     "(exact)" for p, f in full.items()], fontsize=8)
     ax.set_xlim(-0.6, len(full) - 0.4)
-    ax.set_ylim(0, top)
-    ax.set_ylabel("live bytes at the step's peak (TB, 1e12 B)")
+    ax.set_ylim(0, max(max(f.peak for f in full.values()) / 1e12, 1.4) * 1.12)  # no bar flush with the frame
+    ax.set(xlabel="precision policy", ylabel="live bytes at the step's peak (TB, 1e12 B)")
     how = ("measured peak of one step (fake tensors, whole model)" if whole else
-           f"bound on the peak: measured at {measured.spec.shape.n_layers} of {accounting.spec.shape.n_layers} "
+           f"bound on the peak: measured at {measured.spec.shape.n_layers} of {accounting.spec.shape.n_layers}\n"
            "layers + the analytic bytes of the rest")
     ax.set_title(f"{_display(accounting.spec)}: {how}\ncategories live at the peak; {settings.batch_size}x"
                  f"{settings.seq_len} tokens, {accounting.device} kernels", fontsize=9)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    ax.legend(bbox_to_anchor=(0.5, -0.3), ncol=2, **_BELOW)
     mixed = full["bf16_mixed"]
     refs = [(f"analytic,\n{accounting.device} kernels", accounting.activations_here["bf16_mixed"]),
             ("analytic,\nGPU kernels", accounting.activations_gpu["bf16_mixed"]),
             ("Korthikanti\net al.", accounting.korthikanti)]
     act.bar(0, mixed.activations / 1e9, width=0.6, color=COLORS["activations"],
-            label=f"measured ({accounting.device} kernels)")
-    act.text(0, mixed.activations / 1e9, f"{mixed.activations / 1e9:.1f} GB", ha="center", va="bottom", fontsize=8)
-    for j, (_, v) in enumerate(refs, start=1):
-        act.plot([j], [v / 1e9], "o", mfc="none", color="k", ms=8, label="analytic cross-checks" if j == 1 else None)
-        act.text(j, v / 1e9, f"  {v / 1e9:.1f} GB", va="center", fontsize=8)
-    act.set_xticks(range(len(refs) + 1), ["measured\n(fake tensors)", *(n for n, _ in refs)], fontsize=8)
-    act.set_xlim(-0.6, len(refs) + 0.7)
-    act.set_ylim(0, max([mixed.activations] + [v for _, v in refs]) / 1e9 * 1.3)
-    act.set_ylabel("activations saved for backward (GB, 1e9 B)")
-    act.set_title(f"activations of one forward ({'whole model' if whole else 'completed analytically'}), mixed "
+            label=f"measured ({accounting.device} kernels, fake tensors)")
+    act.plot(range(1, len(refs) + 1), [v / 1e9 for _, v in refs], "o", mfc="none", color="k", ms=8, ls="none",
+             label="analytic cross-checks")
+    act.set_xticks(range(len(refs) + 1), [f"measured\n{mixed.activations / 1e9:.1f} GB",
+                                          *(f"{n}\n{v / 1e9:.1f} GB" for n, v in refs)], fontsize=8)
+    act.set_xlim(-0.6, len(refs) + 0.6)
+    act.set_ylim(0, max([mixed.activations] + [v for _, v in refs]) / 1e9 * 1.15)
+    act.set(xlabel="how the activations are counted", ylabel="activations saved for backward (GB, 1e9 B)")
+    act.set_title(f"activations of one forward\n({'whole model' if whole else 'completed analytically'}), mixed "
                   "precision", fontsize=9)
-    act.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
+    act.legend(bbox_to_anchor=(0.5, -0.3), ncol=1, **_BELOW)
     return fig
 
 
 def plot_phase_peaks(measured: Measured, precision: str = "bf16_mixed") -> Figure:
-    """Live bytes by category at each phase's peak of one measured step."""
+    """Live bytes by category at each phase's peak of one measured step (legend below, headroom above)."""
     r = measured.reports[precision]
     cats = [c for c in COLORS if any(ph.by_category.get(c, 0) for ph in r.phases.values())]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), layout="constrained")
+    top = 0.0
     for j, peak in enumerate(r.phases.values()):
         bottom = 0
         for c in cats:
             v = peak.by_category.get(c, 0)
             ax.bar(j, v / 1e9, bottom=bottom / 1e9, color=COLORS[c], label=c.replace("_", " ") if j == 0 else None)
             bottom += v
+        top = max(top, bottom / 1e9)
+    ax.set_ylim(0, top * 1.12)  # no bar flush with the frame
     ax.set_xticks(range(len(r.phases)), list(r.phases))
     ax.set_xlabel("phase of the step")
     ax.set_ylabel("live bytes at the phase's peak (GB, 1e9 B)")
-    ax.set_title(f"{measured.spec.name} ({measured.spec.shape.n_layers} layers), {precision}: live bytes at each "
-                 "phase's peak (measured, fake tensors)", fontsize=9)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
+    ax.set_title(f"{_display(measured.spec)} ({measured.spec.shape.n_layers} layers), {precision}: live bytes at "
+                 "each phase's peak\n(measured, fake tensors)", fontsize=9)
+    ax.legend(bbox_to_anchor=(0.5, -0.15), ncol=4, **_BELOW)
     return fig
 
 

@@ -47,6 +47,8 @@ KINDS = (MEASURED, MODELLED, LOOKED_UP)
 
 EXACT = "exact count"
 DEFAULT_CONFIDENCE = 0.90
+#: :func:`n_to_decide` answers None past this many repetitions (no run could make them)
+N_TO_DECIDE_CAP = 10**7
 #: below this many repetitions a bootstrap gives no interval (n = 5 has 126 distinct resamples, and BCa's
 #: acceleration and bias corrections are estimated from the same few points)
 MIN_BOOTSTRAP_N = 6
@@ -387,7 +389,8 @@ def n_to_decide(estimate: Estimate, boundary: float) -> int | None:
     assuming the estimate stays where it is. On a log scale (``log_scale``) the same is done on logs. For a
     bootstrap interval this is an approximation: a planning figure, not a guarantee. Returns ``estimate.n`` if
     the interval already lies on one side (or is exact), and ``None`` when no n can be derived: no interval
-    (nothing says how much the number varies), or the estimate sits on the boundary.
+    (nothing says how much the number varies), the estimate sits on the boundary (up to rounding), or the answer
+    is past :data:`N_TO_DECIDE_CAP`.
     """
     from scipy import stats
 
@@ -402,7 +405,7 @@ def n_to_decide(estimate: Estimate, boundary: float) -> int | None:
     if not lo < b < hi:
         return estimate.n
     d = abs(b - v)
-    if d == 0:
+    if d <= 1e-9 * max(abs(b), abs(v), hi - lo):  # on the boundary, up to rounding: no n moves it off
         return None
     w = (hi - v) if b > v else (v - lo)
     n = estimate.n
@@ -413,6 +416,8 @@ def n_to_decide(estimate: Estimate, boundary: float) -> int | None:
     s = w * math.sqrt(n) / quantile(max(n, 2))
     z = float(stats.norm.ppf(0.5 + estimate.confidence / 2))
     m = max(n + 1, math.ceil((z * s / d) ** 2))  # the normal answer is a lower bound: t(m - 1) > z
+    if m > N_TO_DECIDE_CAP:
+        return None  # more repetitions than any run could make: say that none decides it
     while quantile(m) * s / math.sqrt(m) >= d:
         m += max(1, m // 64)
     return m

@@ -1,6 +1,7 @@
 """Notebook 11's harness (C15): the post's CLIP config applied unchanged, malformed configs refused with the model left
 usable, fake-tensor memory equal to real-tensor memory byte for byte, the batch search, retrieval, the grading rule."""
 
+import inspect
 import math
 
 import numpy as np
@@ -12,9 +13,20 @@ from scipy import stats
 from macroarch import compose
 from macroarch.config import load_config
 from macroarch.experiments import clip
+from macroarch.experiments.loop import TrainLog
 from macroarch.measure.memory import CATEGORIES
+from macroarch.measure.stats import exact
 from macroarch.repro import cli
-from macroarch.repro.claims import CONTRADICTED, INCONCLUSIVE, NOT_REPRODUCED, PARTIALLY, REPRODUCED, get_claim
+from macroarch.repro.claims import (
+    CONTRADICTED,
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    PARTIALLY,
+    REPRODUCED,
+    get_claim,
+    regrade_leaving_out,
+)
+from macroarch.repro.figures import figure_problems
 
 POST_BLOCK = """
 optim:
@@ -164,6 +176,30 @@ def _training_with(recalls):
     return t
 
 
+def _full_training(recalls):
+    """:func:`_training_with` plus what the figures and texts read: recall@5, loss logs, eval curves."""
+    training = _training_with(recalls)
+    for (s, v), r in list(training.final.items()):
+        training.final[s, v] = dict(r, i2t_r5=0.8, t2i_r5=0.7, loss=2.0, val_i2t_r1=0.6, val_t2i_r1=0.6)
+        training.logs[s, v] = TrainLog([3.0, 2.5, 2.0], [0.1] * 3)
+        training.curves[s, v] = [(2, 0.3), (3, 0.4)]
+    return training
+
+
+def test_the_verdict_text_says_which_number_is_exact_and_which_has_an_interval():
+    config = load_config(clip.post_config_path())
+    sweep = clip.memory_sweep(["small"], [16, 64], config, baselines=["bf16_mixed"], target_gb=0.004, small=TINY)
+    training = _full_training([(0.5, 0.49), (0.6, 0.58), (0.4, 0.42)])
+    settings = clip.ClipSettings(memory_models=("small",), memory_batches=(16, 64), target_gb=0.004, n_train=64,
+                                 width=32, vision_layers=2, text_layers=2, batch_size=16, steps=3, warmup_steps=1,
+                                 eval_every=2, seeds=3, compute_dtype="float32", device="cpu", threads=1)
+    text = clip.c15_texts(sweep, training, settings)["measured_text"]
+    est = clip.c15_estimates(sweep, training)
+    assert f"peak-memory reduction (mean over the architectures) {est['memory_reduction'].describe(3)}" in text
+    assert "(exact count)" in text and est["retrieval_gap"].describe(3) in text
+    assert "(90% paired t over seeds, n=3, measured)" in text
+
+
 def test_the_retrieval_gap_is_paired_over_seeds():
     recalls = [(0.50, 0.49), (0.60, 0.58), (0.40, 0.41), (0.55, 0.52)]
     gap = _training_with(recalls).retrieval_gap()
@@ -220,7 +256,9 @@ def test_c15_estimates_and_figure_show_the_graded_numbers():
     est = clip.c15_estimates(sweep, training)
     assert est["memory_reduction"].is_exact and est["memory_reduction"].value == sweep.metrics()["memory_reduction"]
     assert est["retrieval_gap"].n == 3 and est["retrieval_gap"].has_interval
-    fig = clip.plot_graded(sweep, training)
+    targets = get_claim("C15").targets
+    fig = clip.plot_graded(sweep, training, targets)
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 9
     renderer = fig.canvas.get_renderer()
     memory_ax, gap_ax = fig.axes
     assert "%" in memory_ax.get_ylabel() and "percentage points" in gap_ax.get_ylabel()
@@ -229,7 +267,47 @@ def test_c15_estimates_and_figure_show_the_graded_numbers():
     caps = np.array([line.get_ydata()[0] for line in gap_ax.lines if line.get_marker() == "_"])  # the caps
     gap = est["retrieval_gap"]
     assert np.isclose(caps, gap.low * 100).any() and np.isclose(caps, gap.high * 100).any()
+    # the graded mean is a bar of its own, its value in the tick label: no line strikes through a value label
+    assert not memory_ax.texts
+    (mean_bar,) = [p for p in memory_ax.patches if p.get_x() > 0.5]  # right of the one architecture's bar
+    assert mean_bar.get_height() == pytest.approx(100 * est["memory_reduction"].value)
+    assert any(f"{100 * est['memory_reduction'].value:.1f}%" in t.get_text() for t in memory_ax.get_xticklabels())
+    lines = {round(line.get_ydata()[0], 6) for line in memory_ax.lines}
+    assert round(100 * targets[0].lo, 6) in lines  # the graded threshold, from the targets passed in
     fig.clf()
+
+
+def test_the_figures_fit_the_report_and_label_every_axis():
+    config = load_config(clip.post_config_path())
+    sweep = clip.memory_sweep(["small"], [16, 64], config, baselines=["bf16_mixed", "fp32"], target_gb=0.004,
+                              small=TINY)
+    fig = clip.plot_memory(sweep)
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 9
+    (ax,) = [a for a in fig.axes if a.get_visible()]
+    top = max(p.get_y() + p.get_height() for p in ax.patches)
+    assert top < ax.get_ylim()[1] * 0.95  # no bar flush with the frame
+    fig.clf()
+    fig = clip.plot_training(_full_training([(0.5, 0.49), (0.6, 0.6), (0.4, 0.42)]))
+    assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 9
+    assert all(ax.get_ylabel() for ax in fig.axes)  # the retrieval panel had none
+    fig.clf()
+
+
+def test_leaving_a_seed_out_regrades_the_retrieval_gap_with_memory_fixed():
+    recalls = [(0.50, 0.49), (0.60, 0.575), (0.40, 0.41), (0.55, 0.52)]
+    training = _training_with(recalls)
+    repeated = training.repeated()
+    assert set(repeated) == {"retrieval_gap"} and repeated["retrieval_gap"].estimate() == training.retrieval_gap()
+    without = repeated["retrieval_gap"].leaving_out(0).estimate()
+    assert without == _training_with(recalls[1:]).retrieval_gap()
+    stability = regrade_leaving_out("C15", repeated, fixed={"memory_reduction": exact(0.40)})
+    assert stability.grade == get_claim("C15").grade({"memory_reduction": exact(0.40),
+                                                      "retrieval_gap": training.retrieval_gap()}, scale="t").grade
+
+
+def test_the_harness_takes_targets_from_the_notebook_not_the_registry():
+    """Layering: the harness of notebook 11 never imports the grader (``macroarch.repro``)."""
+    assert "macroarch.repro" not in inspect.getsource(clip)
 
 
 def test_settings_name_the_field_that_is_wrong():

@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 
 from macroarch.experiments import memory_wall as mw
 from macroarch.models import get_model_spec
+from macroarch.repro.figures import figure_problems
 
 PRECISIONS = ("post", "bf16_mixed")
 
@@ -125,6 +126,18 @@ def test_figures_say_what_they_show(accounting, measured, whole):
     assert "bound on the peak" in mw.plot_bytes_by_category(accounting, measured, _settings(1)).axes[0].get_title()
     assert all(ax.get_ylabel() for ax in fig.axes)
     assert isinstance(mw.plot_phase_peaks(measured), Figure)
+
+
+def test_figures_fit_the_report_with_headroom_above_the_bars(accounting, measured, whole):
+    """Issue 44: laid out for the report's page (``figure_problems``), and no bar flush with the top frame (the
+    phase peaks' tallest bar touched it)."""
+    for fig in (mw.plot_bytes_by_category(accounting, whole, _settings(0)),
+                mw.plot_bytes_by_category(accounting, measured, _settings(1)), mw.plot_phase_peaks(whole)):
+        assert figure_problems(fig) == [] and fig.get_size_inches()[0] <= 9
+        for ax in fig.axes:
+            top = max(p.get_y() + p.get_height() for p in ax.patches)
+            assert top < ax.get_ylim()[1] * 0.95
+        fig.clf()
 
 
 def test_c1_baseline_is_mixed_precision_state_and_gpu_activations():

@@ -152,3 +152,11 @@ def test_repeated_leaves_one_out():
     assert r.leaving_out(2).estimate().value == pytest.approx(0.5)
     with pytest.raises(ValueError, match="equally long"):
         S.Repeated(S.paired_difference, ([1.0], [1.0, 2.0]))
+
+
+def test_n_to_decide_on_a_boundary_up_to_rounding_is_none():
+    # 0.5 - 0.49, 0.6 - 0.58, 0.55 - 0.52: a mean of 0.02 up to rounding, on a boundary at 0.02
+    e = S.mean_interval([0.5 - 0.49, 0.6 - 0.58, 0.55 - 0.52])
+    assert S.n_to_decide(e, 0.02) is None
+    far = S.Estimate(1.0, 0.0, 2.0, n=4, method="t")
+    assert S.n_to_decide(far, 1.0 + 1e-6) is None  # past the cap: more repetitions than any run makes
