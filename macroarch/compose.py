@@ -54,7 +54,7 @@ from macroarch import mvas
 from macroarch.config import ConfigError, MacroConfig, load_config
 from macroarch.dgr import DGRWrapper
 from macroarch.dgr.distributed import data_parallel, fully_shard_groups, shard_blocks
-from macroarch.models.layers import find_repeated_layers
+from macroarch.layers import find_repeated_layers
 from macroarch.optim import CompensatedAdamW
 
 DISTRIBUTED = (None, "ddp", "fsdp2")

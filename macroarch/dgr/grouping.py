@@ -46,7 +46,7 @@ from torch import nn
 
 from macroarch._compat.autograd import sequence_nr
 from macroarch._table import format_table
-from macroarch.models.layers import find_repeated_layers
+from macroarch.layers import find_repeated_layers
 
 _OUTSIDE = "outside"
 

@@ -64,7 +64,7 @@ from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.fit import Fit, MeasureCache, extrapolate_peak, fake_module, largest_fitting, measure_training
 from macroarch.measure.memory import STATE_CATEGORIES, StepMemory
 from macroarch.measure.stats import Estimate, Repeated, as_estimate, exact, is_estimate_dict, mean_interval
-from macroarch.models.layers import find_repeated_layers
+from macroarch.layers import find_repeated_layers
 from macroarch.optim import MasterWeightAdamW
 
 MODELS = ("esmfold_trunk", "pointnet", "timesformer", "videomae")

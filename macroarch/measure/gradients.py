@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from macroarch._compat.autograd import at_backward_end
-from macroarch.models.layers import find_repeated_layers
+from macroarch.layers import find_repeated_layers
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 

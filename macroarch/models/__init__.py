@@ -34,7 +34,7 @@ from macroarch.models.hyperconnections import (
     mixing_matrices,
     sinkhorn_knopp,
 )
-from macroarch.models.layers import find_repeated_layers
+from macroarch.layers import find_repeated_layers
 from macroarch.models.registry import MODELS, get_model_spec
 from macroarch.models.spec import ModelSpec, TransformerShape
 

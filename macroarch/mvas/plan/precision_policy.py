@@ -88,7 +88,7 @@ def _clip_towers(model: nn.Module) -> dict[str, tuple[list[str], nn.Module]]:
 def clip_rules(model: nn.Module, policy: Mapping[str, object], image_blocks: Sequence[str] | None = None,
                text_blocks: Sequence[str] | None = None) -> list[Rule]:
     """Rules for an open_clip model from the post's ``precision_policy`` (blocks found unless given)."""
-    from macroarch.models.layers import find_repeated_layers
+    from macroarch.layers import find_repeated_layers
 
     parsed = parse_precision_policy(policy)
     towers = _clip_towers(model)
@@ -126,7 +126,7 @@ def policy_rules(model: nn.Module, policy: Mapping[str, object], *, shallow_frac
     keep their dtype (``plan_from_rules``). Raises ``ValueError`` naming the part when it matches nothing or
     has too few blocks for a pair.
     """
-    from macroarch.models.layers import find_repeated_layers
+    from macroarch.layers import find_repeated_layers
 
     if not 0.0 < shallow_fraction < 1.0:
         raise ValueError(f"shallow_fraction={shallow_fraction} must be in (0, 1)")
