@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROFILE ?= cpu
 
-.PHONY: reproduce test compat lab paper runs view docs lint venv lock clean-runs nbfilter
+.PHONY: reproduce test compat lab paper runs view docs lint venv lock clean-runs nbfilter nbmeta
 
 venv: $(STAMP)
 
@@ -32,6 +32,11 @@ nbfilter:
 	  info="$$(git rev-parse --git-path info/attributes)" && \
 	  { [ ! -f "$$info" ] || sed -i '/filter=nbstripout/d; /diff=ipynb/d' "$$info"; } && \
 	  { git update-index -q --refresh >/dev/null || true; }; fi
+
+# The notebooks' kernelspec and language_info as JupyterLab writes them on opening (so that opening one does not mark
+# it modified): after a Python upgrade of .venv, then commit the notebooks.
+nbmeta: $(STAMP)
+	$(BIN)/python -m macroarch.repro.nbmeta
 
 # The main job: every notebook of the cpu profile (W&B offline unless configured), then paper/.
 reproduce: $(STAMP)

@@ -94,7 +94,7 @@ def test_every_notebook_holds_the_language_info_its_kernel_reports():
     differ = sorted(k for k, v in held.items() if v != reported)
     assert held
     assert not differ, (f"metadata.language_info of {', '.join(differ)} is not this kernel's kernel_info reply "
-                        f"{reported}: JupyterLab marks them modified on opening")
+                        f"{reported}: JupyterLab marks them modified on opening (make nbmeta rewrites them)")
 
 
 def _free_port() -> int:
