@@ -3,13 +3,15 @@
 ``plan(model, batch, seq, gpu=... | budget_gb=..., devices=..., techniques="mvas,dgr,checkpoint,fsdp2")`` runs one
 full training step of every combination of the techniques under ``FakeTensorMode`` and returns a ``Plan``: bytes
 per device by category (weights, gradients, master, optimizer, activations) and the measured peak, whether each
-fits and by how much, the largest batch that fits, and the cheapest fitting combination by the benchmarks'
-measured slowdowns. ``macroarch.planner.cli`` is the ``macroarch plan`` command (also ``python -m
+fits and by how much, the largest batch (or sequence, clip, point cloud) that fits, and the cheapest fitting
+combination by the benchmarks' measured slowdowns. ``custom(name, build, make_batch, loss, layers=...)`` makes a
+model no spec names plannable. ``macroarch.planner.cli`` is the ``macroarch plan`` command (also ``python -m
 macroarch.planner``).
 
 - ``models``: a model spec (config.json, project builder, open_clip, timm, ``module:fn``) resolved to a builder;
 - ``run``: the techniques stacked on the model, one fake step, depth extrapolation, FSDP2's sharding (modelled);
-- ``slowdown``: the measured step-time ratios, with their sources;
+- ``target``: an MVAS target reduction as per-role rules, for models without values;
+- ``slowdown``: the measured step-time ratios, read from the benchmarks' committed runs;
 - ``core``: ``plan`` itself; ``report``: text and the bar chart; ``cli``: the command.
 """
 
@@ -19,7 +21,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {"Combination": "macroarch.planner.core", "Plan": "macroarch.planner.core", "plan": "macroarch.planner.core",
-            "PlanError": "macroarch.planner.models", "plot": "macroarch.planner.report"}
+            "PlanError": "macroarch.planner.models", "custom": "macroarch.planner.models",
+            "figure": "macroarch.planner.report", "plot": "macroarch.planner.report"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -2,10 +2,13 @@
 
 For every combination of the techniques asked for (always with the plain step as the reference), one full
 training step of the model is run under fake tensors (``macroarch.planner.run``) and reported per device: bytes by
-category, the measured peak, whether it fits the budget and by how much, and the largest batch (or sequence,
-image side) that fits, searched with ``macroarch.measure.fit.largest_fitting`` on further fake steps. The cheapest
-fitting combination is the one with the least measured slowdown (``macroarch.planner.slowdown``); combinations
-whose slowdown is unmeasured fit or not, but are never called cheapest.
+category, the measured peak, whether it fits the budget and by how much, and the largest batch (or sequence, clip
+length, points per cloud) that fits, searched with ``macroarch.measure.fit.largest_fitting`` on further fake
+steps. The cheapest fitting combination is the one with the least measured slowdown
+(``macroarch.planner.slowdown``, read from the benchmarks' committed runs): a combination is cheaper than another
+only where its measured range lies wholly below the other's; among those no fitting combination beats (their
+ranges overlap: no measured difference), the one with the fewest techniques is named, the others as tied with it.
+Combinations whose slowdown is unmeasured fit or not, but are never called cheapest.
 
 What is counted, stated in every plan's notes:
 
@@ -14,7 +17,9 @@ What is counted, stated in every plan's notes:
   bytes as given (GB = 1e9; a card's is its memory size in the accelerator table).
 - attention: transformers models are built with SDPA by default, whose CPU kernel (flash attention for CPU)
   saves the output and an fp32 log-sum-exp per query row and no score matrix, as CUDA's flash and
-  memory-efficient kernels do; ``attention="eager"`` saves the scores.
+  memory-efficient kernels do; ``attention="eager"`` saves the scores. With attention dropout CPU SDPA falls back
+  to its math kernel (score matrices saved) where CUDA's flash kernels do not, so such models are built with
+  attention dropout 0 and the plan says so (``macroarch.planner.models``).
 - the GPU-kernel correction of ``macroarch.measure.memory.analytic`` (``activation_terms(device_type=...)``: on
   CUDA dropout keeps 1-byte masks and LayerNorm fp32 statistics, on CPU both are in the activation dtype) is
   applied where the project has it: the Llama and GPT-2 families, eager attention, no checkpointing. Elsewhere
@@ -27,13 +32,15 @@ What is counted, stated in every plan's notes:
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from macroarch.measure.memory import StepMemory
 from macroarch.planner.models import Model, PlanError, resolve
+from macroarch.planner.report import size_text
 from macroarch.planner.run import (
     TECHNIQUES,
     Bytes,
@@ -45,10 +52,12 @@ from macroarch.planner.run import (
     fsdp_units,
     measure_full,
 )
-from macroarch.planner.slowdown import Slowdown, slowdown
+from macroarch.planner.slowdown import PLAIN, Slowdown, slowdown
 
 GB = 1e9
-SEARCHES = ("batch", "seq")
+SEARCHES = ("batch", "seq", "frames", "points")
+"""What the largest fitting size varies: the batch, ``seq`` (tokens per sample, or what a custom model's ``seq``
+counts; not an image side), the clip length (video models) or the points per cloud (point-cloud models)."""
 _ORDER = {t: i for i, t in enumerate(TECHNIQUES)}
 
 
@@ -80,7 +89,7 @@ class Combination:
     headroom: int | None = None
     largest: int | None = None
     largest_capped: bool = False
-    slowdown: Slowdown = field(default_factory=lambda: slowdown(frozenset()))
+    slowdown: Slowdown = PLAIN
     notes: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -93,7 +102,8 @@ class Combination:
         out: dict[str, Any] = {"name": self.name, "techniques": list(self.techniques)}
         out.update(b.categories if b is not None else dict.fromkeys(("weights", "gradients", "master", "optimizer",
                                                                      "activations")))
-        out.update(peak=None if b is None else b.peak, at_peak=None if b is None else b.at_peak, fits=self.fits,
+        out.update(peak=None if b is None else b.peak, at_peak=None if b is None else b.at_peak,
+                   peak_phase=None if b is None else b.phase, fits=self.fits,
                    headroom=self.headroom, largest=self.largest, largest_capped=self.largest_capped,
                    slowdown=self.slowdown.ratio, slowdown_range=[self.slowdown.low, self.slowdown.high],
                    slowdown_source=self.slowdown.source, how=self.how, notes=self.notes, error=self.error)
@@ -136,8 +146,9 @@ def _budget(gpu: str | None, budget_gb: float | None) -> tuple[int | None, str |
     if gpu is not None and budget_gb is not None:
         raise PlanError("give --gpu or --budget, not both")
     if budget_gb is not None:
-        if isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float) or not budget_gb > 0:
-            raise PlanError(f"budget={budget_gb!r} GB must be a positive number")
+        if (isinstance(budget_gb, bool) or not isinstance(budget_gb, int | float) or not budget_gb > 0
+                or not math.isfinite(budget_gb)):
+            raise PlanError(f"budget={budget_gb!r} GB must be a positive, finite number")
         return round(budget_gb * GB), f"{budget_gb:g} GB"
     if gpu is None:
         return None, None
@@ -178,7 +189,7 @@ def _setup(policy: Any, dtype: str, group_size: int | None, devices: int) -> tup
         except (ConfigError, OSError) as e:
             raise PlanError(f"--policy {policy}: {e}") from None
         if config.uses_mvas:
-            mvas, source = config.mvas, f"from {policy}"
+            mvas, source = config.mvas, f"from {policy}" if isinstance(policy, str) else "from the given policy"
         if config.uses_dgr:
             size = config.dgr.group_size
     size = group_size if group_size is not None else (size or 1)
@@ -222,7 +233,7 @@ def _corrected(b: Bytes, delta: int) -> Bytes:
         return b
     cats = dict(b.categories, activations=b.categories["activations"] + delta)
     at_peak = dict(b.at_peak, activations=b.at_peak.get("activations", 0) + delta)
-    return Bytes(cats, b.peak + delta, at_peak)
+    return Bytes(cats, b.peak + delta, at_peak, b.phase)
 
 
 def _analytic(model: Model, setup: Setup, batch: int, seq: int | None, error: Exception) -> Combination:
@@ -257,23 +268,37 @@ class _Context:
     units: Any = None
     dense_weights: int = 0
 
+    @property
+    def size(self) -> int:
+        """The requested value of what the search varies."""
+        return {"batch": self.batch, "frames": self.model.frames}.get(self.search, self.seq)
+
+    def at(self, size: int) -> tuple[Model, int, int | None]:
+        """The model, batch and seq with what the search varies set to ``size``."""
+        if self.search == "batch":
+            return self.model, size, self.seq
+        if self.search == "frames":
+            return replace(self.model, frames=size), self.batch, self.seq
+        return self.model, self.batch, size
+
 
 def _measure_combo(ctx: _Context, combo: frozenset[str], check: bool = True) -> tuple[Measured, Any]:
-    """The fake-tensor bytes of ``combo`` at the requested size, and ``at(size) -> Bytes`` for the search."""
+    """The fake-tensor bytes of ``combo`` at the requested size, and ``at(size) -> Bytes`` for the search (each
+    size extrapolated in depth from the two shallowest depths, phase by phase)."""
     depth = depth_plan(ctx.model, combo, ctx.setup, check=check)
     measured = measure_full(ctx.model, combo, ctx.setup, ctx.batch, ctx.seq, depth)
     quick = DepthPlan(measured.depth.depths[:2], measured.depth.full)
 
     def at(size: int) -> Bytes:
-        b, s = (size, ctx.seq) if ctx.search == "batch" else (ctx.batch, size)
-        return measure_full(ctx.model, combo, ctx.setup, b, s, quick).bytes
+        model, batch, seq = ctx.at(size)
+        return measure_full(model, combo, ctx.setup, batch, seq, quick).bytes
 
     return measured, at
 
 
 def _derive(ctx: _Context, combo: frozenset[str], b: Bytes, size: int) -> tuple[Bytes, list[str]]:
     """The GPU-kernel correction and FSDP2's sharding applied to one-device fake-tensor bytes."""
-    batch, seq = (size, ctx.seq) if ctx.search == "batch" else (ctx.batch, size)
+    _, batch, seq = ctx.at(size)
     delta, note = _correction(ctx.model, ctx.setup, combo, batch, seq)
     b = _corrected(b, delta)
     notes = [note] if note else []
@@ -285,18 +310,23 @@ def _derive(ctx: _Context, combo: frozenset[str], b: Bytes, size: int) -> tuple[
     return b, notes
 
 
+_UNITS = {"batch": "sample", "frames": "frame", "points": "point"}
+
+
 def _largest(ctx: _Context, combo: frozenset[str], at: Any, first: Bytes) -> tuple[int | None, bool, str | None]:
     from macroarch.measure.fit import MeasureCache, largest_fitting
 
     def measure(size: int) -> StepMemory:
-        if size == (ctx.batch if ctx.search == "batch" else ctx.seq):
+        if size == ctx.size:
             return _as_step(first)
         return _as_step(_derive(ctx, combo, at(size), size)[0])
 
-    max_size = 1 << 16 if ctx.search == "batch" else 1 << 20
+    multiple = {"batch": 1, "frames": ctx.model.frames_multiple}.get(ctx.search, ctx.model.seq_multiple)
+    start = ctx.model.min_batch if ctx.search == "batch" else multiple
+    max_size = 1 << 16 if ctx.search in ("batch", "frames") else 1 << 20
     try:
-        fit = largest_fitting(MeasureCache(measure), ctx.budget, start=1, max_size=max_size,
-                              unit="sample" if ctx.search == "batch" else "token")
+        fit = largest_fitting(MeasureCache(measure), ctx.budget, start=start, multiple=multiple,
+                              max_size=max_size, unit=_UNITS.get(ctx.search, ctx.model.seq_name.rstrip("s")))
     except ValueError as e:
         return None, False, str(e)
     return fit.size, fit.capped, None
@@ -306,16 +336,31 @@ def _combination(ctx: _Context, combo: frozenset[str], base: dict[frozenset[str]
                  ) -> Combination:
     one = combo - {"fsdp2"}
     measured, at = base[one]
-    size = ctx.batch if ctx.search == "batch" else ctx.seq
-    b, notes = _derive(ctx, combo, measured.bytes, size)
+    b, notes = _derive(ctx, combo, measured.bytes, ctx.size)
     how = "fake tensors (CPU kernels), " + measured.how
-    c = Combination(tuple(sorted(combo, key=_ORDER.__getitem__)), b, how, slowdown=slowdown(combo), notes=notes)
+    c = Combination(tuple(sorted(combo, key=_ORDER.__getitem__)), b, how,
+                    slowdown=slowdown(combo, ctx.setup.policy.name), notes=notes)
     if ctx.budget is not None:
         c.fits, c.headroom = b.peak <= ctx.budget, ctx.budget - b.peak
         c.largest, c.largest_capped, why = _largest(ctx, combo, at, b)
         if why:
             c.notes.append(f"largest {ctx.search}: none fits ({why})")
     return c
+
+
+def cheapest(fitting: Sequence[Combination]) -> tuple[Combination | None, list[Combination]]:
+    """The cheapest of ``fitting`` by measured slowdown, and the combinations tied with it.
+
+    One combination is cheaper than another only where its measured range lies wholly below the other's
+    (``Slowdown.faster_than``). Of those that no other beats, whose ranges overlap (no measured difference), the one
+    with the fewest techniques is named (then the lower median, then the lower peak); the rest are tied with it.
+    Unmeasured combinations take no part. ``(None, [])`` when none is measured."""
+    ranked = [c for c in fitting if c.slowdown.measured]
+    unbeaten = [c for c in ranked if not any(o.slowdown.faster_than(c.slowdown) for o in ranked)]
+    if not unbeaten:
+        return None, []
+    best = min(unbeaten, key=lambda c: (len(c.techniques), c.slowdown.ratio, c.bytes.peak))
+    return best, [c for c in unbeaten if c is not best]
 
 
 def _verdict(combos: list[Combination], budget: int | None, search: str) -> tuple[str | None, str]:
@@ -325,46 +370,61 @@ def _verdict(combos: list[Combination], budget: int | None, search: str) -> tupl
     fitting = [c for c in measured if c.fits]
     if not fitting:
         closest = min(measured, key=lambda c: c.bytes.peak)
-        return None, (f"fits nowhere: the closest is {closest.name} at {closest.bytes.peak / GB:.2f} GB, "
-                      f"{-closest.headroom / GB:.2f} GB over the {budget / GB:.2f} GB budget")
-    ranked = [c for c in fitting if c.slowdown.measured]
-    if not ranked:
+        return None, (f"fits nowhere: the closest is {closest.name} at {size_text(closest.bytes.peak)}, "
+                      f"{size_text(-closest.headroom)} over the {size_text(budget)} budget")
+    best, tied = cheapest(fitting)
+    if best is None:
         simplest = min(fitting, key=lambda c: (len(c.techniques), c.bytes.peak))
         return None, (f"fits with {', '.join(c.name for c in fitting)}; none of them has a measured slowdown, so "
                       f"none is called cheapest (fewest techniques: {simplest.name})")
-    best = min(ranked, key=lambda c: (c.slowdown.ratio, c.bytes.peak))
-    return best.name, (f"cheapest that fits: {best.name} (expected slowdown {best.slowdown.text()}, measured; "
-                       f"{best.headroom / GB:.2f} GB to spare, largest {search} {best.largest})")
+    largest = f"{best.largest}{'+' if best.largest_capped else ''}" if best.largest is not None else "-"
+    cost = ("the reference step" if not best.techniques
+            else f"expected slowdown {best.slowdown.text()}, measured")
+    text = (f"cheapest that fits: {best.name} ({cost}; {size_text(best.headroom)} to spare, largest {search} "
+            f"{largest})")
+    if tied:
+        text += ("; tied with it (measured ranges overlap, so no measured difference): "
+                 + ", ".join(f"{c.name} {c.slowdown.text()}" for c in tied))
+    return best.name, text
 
 
 # ----------------------------------------------------------------------------------------------- plan
-def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, gpu: str | None = None,
-         budget_gb: float | None = None, devices: int = 1, techniques: str | Sequence[str] = (),
-         policy: str | None = None, dtype: str = "bf16_mixed", group_size: int | None = None,
-         attention: str = "sdpa", search: str = "batch") -> Plan:
+def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: int | None = None,
+         points: int | None = None, gpu: str | None = None, budget_gb: float | None = None, devices: int = 1,
+         techniques: str | Sequence[str] = (), policy: str | Mapping[str, Any] | None = None, dtype: str = "bf16_mixed",
+         group_size: int | None = None, attention: str = "sdpa", search: str = "batch",
+         combinations: Sequence[str | Sequence[str]] | None = None) -> Plan:
     """Plan one training step of ``model`` (module docstring).
 
     Args:
         model: a model spec (``macroarch.planner.models``: a config.json or its directory, a project builder, an
             open_clip or timm name, ``module:fn``), or a resolved ``Model``.
         batch: samples per device per step.
-        seq: tokens per sample (text), or the image side (vision; default: the model's).
+        seq: tokens per sample (text), the image side (vision; default: the model's) or the points per cloud
+            (point clouds; default: the model's).
+        frames: a video model's clip length (default: its config's).
+        points: a point-cloud model's points per cloud (the same as ``seq`` for such a model).
         gpu, budget_gb: the per-device budget: an accelerator-table key or name, or GB (1e9 bytes).
         devices: the device count (``fsdp2`` shards over it; the batch stays per device).
         techniques: ``mvas``, ``master`` (MVAS's fp32 master copies), ``dgr``, ``checkpoint``, ``fsdp2``, as a list
             or comma-separated; every combination of them is planned, the plain step too.
-        policy: a technique config (YAML, as ``configs/clip_post.yaml``): its MVAS policy and DGR group size.
+        policy: a technique config (a YAML file, as ``configs/clip_post.yaml``, or the mapping it would hold): its
+            MVAS policy (rules, or a target reduction: ``macroarch.planner.target``) and DGR group size.
         dtype: the dtype recipe, a name in ``macroarch.measure.memory.PRECISIONS`` (``bf16_mixed``, ``fp32``,
             ``post``, ``fp16``, ``mixed``).
         group_size: DGR's blocks per group (default: the policy's, else 1).
         attention: transformers models' attention implementation (``"sdpa"`` or ``"eager"``).
-        search: what the largest fitting size varies: ``"batch"`` or ``"seq"``.
+        search: what the largest fitting size varies (``SEARCHES``).
+        combinations: plan only these (each ``"plain"``, ``"mvas+dgr"`` or a list of techniques; the plain step is
+            always planned too) instead of every combination of ``techniques`` (which may then be left empty).
 
     Raises ``PlanError`` (a ``ValueError``) naming any bad input.
     """
     start = time.perf_counter()
     _positive("batch", batch)
     _positive("seq", seq, optional=True)
+    _positive("frames", frames, optional=True)
+    _positive("points", points, optional=True)
     _positive("devices", devices)
     if search not in SEARCHES:
         raise PlanError(f"search={search!r} must be one of {SEARCHES}")
@@ -372,24 +432,32 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, gpu: str
         raise PlanError(f"attention={attention!r} must be 'sdpa' or 'eager'")
     budget, budget_source = _budget(gpu, budget_gb)
     wanted = _techniques(techniques, devices)
+    requested = _combinations(wanted, combinations, devices)
+    wanted = tuple(sorted(set(wanted).union(*requested), key=_ORDER.__getitem__))
     setup, mvas_source = _setup(policy, dtype, group_size, devices)
     m = model if isinstance(model, Model) else resolve(model, attention=attention)
     model = m.name
-    if seq is None and m.default_seq is None:
-        raise PlanError(f"{model}: give --seq (the number of {m.seq_name})")
-    seq = m.default_seq if seq is None else seq
-    if search == "seq" and m.seq_name != "tokens":
-        raise PlanError(f"{model}: search='seq' varies tokens; this model's seq is its {m.seq_name}")
+    seq = _sizes(m, seq, frames, points, search)
+    if frames is not None:
+        m = replace(m, frames=frames)
+    if batch < m.min_batch:
+        raise PlanError(f"{model}: batch={batch}, but a training step needs {m.min_batch} samples at least")
     ctx = _Context(m, setup, batch, seq, search, budget)
     meta = m.build(None, setup.policy.param_dtype, seq if m.seq_name != "tokens" else None)
     n_params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+    if "mvas" in wanted and setup.mvas.target_reduction is not None:
+        from macroarch.planner.target import policy_for_target
+
+        try:
+            mvas, mvas_source = policy_for_target(meta, setup.mvas)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        setup = ctx.setup = replace(setup, mvas=mvas)
     del meta
     if "fsdp2" in wanted:
         ctx.units = fsdp_units(m, setup.policy.param_dtype, seq if m.seq_name != "tokens" else None)
         ctx.dense_weights = n_params * setup.policy.param_dtype.itemsize
-    fake = [t for t in wanted if t != "fsdp2"]
-    combos = [frozenset(s) for r in range(len(fake) + 1) for s in itertools.combinations(fake, r)
-              if "master" not in s or "mvas" in s]
+    combos = list(dict.fromkeys(c - {"fsdp2"} for c in requested))  # what runs on one device, plain first
     base: dict[frozenset[str], tuple[Measured, Any]] = {}
     results: list[Combination] = []
     for combo in combos:
@@ -402,16 +470,11 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, gpu: str
                 results.append(_analytic(m, setup, batch, seq, e))
             else:
                 results.append(Combination(tuple(sorted(combo, key=_ORDER.__getitem__)), None, "not measured",
-                                           slowdown=slowdown(combo),
+                                           slowdown=slowdown(combo, setup.policy.name),
                                            error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
-    for combo in combos:
-        if combo not in base:
-            continue
-        results.append(_combination(ctx, combo, base))
-        if "fsdp2" in wanted:
-            results.append(_combination(ctx, combo | {"fsdp2"}, base))
+    results += [_combination(ctx, combo, base) for combo in requested if combo - {"fsdp2"} in base]
     results.sort(key=lambda c: (len(c.techniques), [_ORDER[t] for t in c.techniques]))
-    cheapest, verdict = _verdict(results, budget, search)
+    cheapest_name, verdict = _verdict(results, budget, search)
     notes = [
         "bytes per device: live tensors of one steady-state training step (forward with the loss, backward, "
         "optimizer step), MemTracker under FakeTensorMode with CPU kernels; not counted: the CUDA context, "
@@ -420,25 +483,76 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, gpu: str
         "each one's own maximum and do not add up to it",
         f"attention: {m.attention}" + (" (CPU flash kernel: output and an fp32 log-sum-exp per row, no score "
                                        "matrix, as CUDA's flash kernels)" if m.attention == "sdpa" else ""),
+        *m.notes,
         f"dtype recipe {setup.policy.name}: {setup.policy.description}",
     ]
     if any("mvas" in c.techniques for c in results):
         notes.append(f"MVAS policy {mvas_source}; moments in {setup.mvas.state_format}")
     if any("dgr" in c.techniques for c in results):
         notes.append(f"DGR-sync, groups of {setup.group_size} block(s)")
+    if budget is not None:
+        notes.append("cheapest: the least expected slowdown among combinations with a measured ratio (read from "
+                     "the benchmarks' committed runs, each row's source below); ratios whose measured ranges overlap "
+                     "are tied, and of tied ones the fewest techniques is named")
     if m.shape is None:
         notes.append("no GPU-kernel correction for this family: CPU kernels' bytes (on CUDA, dropout masks are "
                      "1 byte per element and LayerNorm statistics fp32; on CPU both are in the activation dtype)")
     if devices > 1 and "fsdp2" not in wanted:
         notes.append(f"--devices {devices} without fsdp2: every device holds the whole step (data parallel)")
     layers = "+".join(map(str, m.full_layers)) if m.scalable else "fixed"
+    workload = {"batch": batch, "seq": seq, "seq_means": m.seq_name, "dtype": setup.policy.name,
+                "devices": devices, "search": search, "group_size": setup.group_size}
+    if m.frames is not None:
+        workload["frames"] = m.frames
     return Plan(
         model={"name": model, "kind": m.kind, "family": m.family, "parameters": n_params, "layers": layers,
                "attention": m.attention},
-        workload={"batch": batch, "seq": seq, "seq_means": m.seq_name, "dtype": setup.policy.name,
-                  "devices": devices, "search": search, "group_size": setup.group_size},
-        budget_bytes=budget, budget_source=budget_source, combinations=results, cheapest=cheapest,
-        verdict=verdict, notes=notes, seconds=time.perf_counter() - start)
+        workload=workload, budget_bytes=budget, budget_source=budget_source, combinations=results,
+        cheapest=cheapest_name, verdict=verdict, notes=notes, seconds=time.perf_counter() - start)
 
 
-__all__ = ["Combination", "Plan", "PlanError", "SEARCHES", "plan"]
+def _combinations(wanted: tuple[str, ...], given: Sequence[str | Sequence[str]] | None, devices: int
+                  ) -> list[frozenset[str]]:
+    """The combinations to plan, the plain step first: every one of ``wanted`` (``master`` only with ``mvas``;
+    ``fsdp2`` on top of each one-device combination), or those ``given``."""
+    if given is None:
+        one = [t for t in wanted if t != "fsdp2"]
+        combos = [frozenset(s) for r in range(len(one) + 1) for s in itertools.combinations(one, r)
+                  if "master" not in s or "mvas" in s]
+        return [c for combo in combos for c in ((combo, combo | {"fsdp2"}) if "fsdp2" in wanted else (combo,))]
+    if isinstance(given, str):
+        given = [given]
+    out = [frozenset()]
+    for item in given:
+        parts = item.replace("+", ",") if isinstance(item, str) else item
+        combo = frozenset(_techniques("" if parts == "plain" else parts, devices))
+        if combo not in out:
+            out.append(combo)
+    return out
+
+
+def _sizes(m: Model, seq: int | None, frames: int | None, points: int | None, search: str) -> int:
+    """``seq`` resolved against the model (``points`` is a point cloud's seq), with every size checked against
+    what the model takes."""
+    if points is not None:
+        if m.seq_name != "points":
+            raise PlanError(f"{m.name}: points={points} is for point-cloud models; this model's seq is its "
+                            f"{m.seq_name}")
+        if seq is not None and seq != points:
+            raise PlanError(f"{m.name}: give the points per cloud once (seq={seq}, points={points})")
+        seq = points
+    if frames is not None:
+        if m.frames is None:
+            raise PlanError(f"{m.name}: frames={frames} is for video models (a config with num_frames)")
+        if frames % m.frames_multiple:
+            raise PlanError(f"{m.name}: frames={frames} must be a multiple of {m.frames_multiple} (its tubelet)")
+    if seq is None and m.default_seq is None:
+        raise PlanError(f"{m.name}: give --seq (the number of {m.seq_name})")
+    wrong = {"seq": m.seq_name == "image side", "points": m.seq_name != "points", "frames": m.frames is None}
+    if wrong.get(search):
+        raise PlanError(f"{m.name}: search={search!r} does not apply: this model's seq is its {m.seq_name}"
+                        + ("" if m.frames is None else f" and it takes clips of {m.frames} frames"))
+    return m.default_seq if seq is None else seq
+
+
+__all__ = ["Combination", "Plan", "PlanError", "SEARCHES", "cheapest", "plan"]

@@ -12,7 +12,7 @@ A spec is, in the order tried:
    ``_from_config`` (random weights: nothing is downloaded, ``HF_HUB_OFFLINE=1`` is set before transformers is
    imported).
 3. a name from the project's builders (``macroarch.models.MODELS``, and ``bert_large``): their transformers
-   configs, as 2.
+   configs, as 2; ``pointnet``: the project's PointNet classifier (``seq`` counts points per cloud).
 4. an open_clip architecture shipped with open_clip (``ViT-L-14``, also written ``ViT-L/14``): ``open_clip``'s
    ``CLIP`` from the config, ``pretrained=None``; one step of its contrastive loss (``open_clip.ClipLoss``).
 5. a timm model name (``vit_base_patch16_224``): ``timm.create_model(pretrained=False)``; one step of
@@ -24,8 +24,10 @@ common divisor (ViT-L/14: 24 image and 12 text blocks, so a unit is 2 + 1 and th
 transformers configs (``num_hidden_layers``), timm models taking ``depth=`` and open_clip ViTs with integer
 ``layers`` can be built shallower; anything else is measured at full depth (``full_units is None``).
 
-``seq`` is the sequence length of text models (token ids, labels the ids themselves) and the image side of vision
-models (default: the model's own).
+``seq`` is the sequence length of text models (token ids, labels the ids themselves), the image side of vision
+models (default: the model's own) and the points per cloud of point-cloud models. A video model (a transformers
+config with ``num_frames``: VideoMAE, TimeSformer, ViViT) also has ``frames``, the clip length (default: the
+config's).
 """
 
 from __future__ import annotations
@@ -60,15 +62,21 @@ class Model:
 
     Attributes:
         name: the spec as given.
-        kind: ``"transformers"``, ``"builder"``, ``"open_clip"``, ``"timm"`` or ``"callable"``.
+        kind: ``"transformers"``, ``"builder"``, ``"open_clip"``, ``"timm"``, ``"callable"`` or ``"custom"``.
         unit: blocks per repeated stack in one depth unit (empty when the depth is fixed).
         full_units: depth units of the full model (None: the depth is fixed, measure at full depth).
-        seq_name: what ``seq`` counts (``"tokens"`` or ``"image side"``).
+        seq_name: what ``seq`` counts (``"tokens"``, ``"image side"`` or ``"points"``).
         default_seq: the model's own ``seq`` (None: it must be given).
         attention: the attention implementation measured (transformers: ``"sdpa"`` or ``"eager"``).
+        family: the transformers ``model_type`` (or the library's name).
         shape: the project's ``TransformerShape`` of the model where it has one (Llama and GPT-2 families), for the
             analytic fallback and the GPU-kernel correction.
-        family: the transformers ``model_type`` (or the library's name).
+        frames: a video model's clip length (None: not a video model); ``dataclasses.replace(model, frames=n)``
+            is the same model on clips of ``n`` frames.
+        frames_multiple: what a clip length must be a multiple of (VideoMAE's and ViViT's tubelets span 2).
+        seq_multiple: what the largest-``seq`` search steps by (a folding trunk's crops: 32 residues).
+        min_batch: the smallest batch a training step takes (2 where BatchNorm follows a pooling).
+        notes: what was changed from the spec to count the bytes a GPU run holds, and why.
     """
 
     name: str
@@ -79,10 +87,15 @@ class Model:
     default_seq: int | None
     attention: str
     family: str
-    _build: Callable[[tuple[int, ...] | None, int | None], nn.Module] = field(repr=False)
-    _batch: Callable[[int, int], Batch] = field(repr=False)
+    _build: Callable[[tuple[int, ...] | None, int | None, int | None], nn.Module] = field(repr=False)
+    _batch: Callable[[int, int, int | None], Batch] = field(repr=False)
     _loss: Callable[[Any, Batch], torch.Tensor] = field(repr=False)
     shape: Any = None
+    frames: int | None = None
+    frames_multiple: int = 1
+    seq_multiple: int = 1
+    min_batch: int = 1
+    notes: tuple[str, ...] = ()
 
     @property
     def scalable(self) -> bool:
@@ -95,7 +108,8 @@ class Model:
     def build(self, units: int | None = None, dtype: torch.dtype = torch.float32, seq: int | None = None,
               device: str = "meta") -> nn.Module:
         """The model on ``device`` (``"meta"``: no memory) at ``units`` depth units (None: full depth), parameters in
-        ``dtype``, for inputs of ``seq`` (a vision model's image side; None: its own)."""
+        ``dtype``, for inputs of ``seq`` (a vision model's image side; None: its own) and, for a video model, clips
+        of ``frames`` frames."""
         if units is not None and not self.scalable:
             raise ValueError(f"{self.name}: its depth is fixed; build it with units=None")
         layers = None if units is None or units == self.full_units else tuple(units * u for u in self.unit)
@@ -103,7 +117,7 @@ class Model:
         torch.set_default_dtype(dtype)
         try:
             with torch.device(device):
-                return self._build(layers, seq).train()
+                return self._build(layers, seq, self.frames).train()
         finally:
             torch.set_default_dtype(previous)
 
@@ -112,7 +126,7 @@ class Model:
         seq = self.default_seq if seq is None else seq
         if seq is None:
             raise PlanError(f"{self.name}: give --seq (the number of {self.seq_name})")
-        out = self._batch(batch_size, seq)
+        out = self._batch(batch_size, seq, self.frames)
         return {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
 
     def loss(self, runner: Any, batch: Batch) -> torch.Tensor:
@@ -181,30 +195,69 @@ def _shape_of(config: Any) -> Any:
     return None
 
 
+ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
+"""transformers config keys of the dropout on attention probabilities (BERT and ViT, Llama and CLIP, GPT-2)."""
+
+
+def _no_attention_dropout(config: Any) -> str | None:
+    """Set ``config``'s attention dropout to 0 (in place) and say why, if it had any.
+
+    On a CPU, SDPA falls back to its math kernel when attention dropout is above 0 (PyTorch's CPU flash kernel
+    takes none), which saves the score matrix, the probabilities and the dropout's result per layer; CUDA's flash
+    and memory-efficient kernels take the dropout inside (a seed and an offset saved, no score matrix). With the
+    dropout at 0 the CPU kernel is the flash one, which saves what CUDA's does: the output and an fp32
+    log-sum-exp per query row."""
+    found = {k: getattr(config, k) for k in ATTENTION_DROPOUT_KEYS
+             if isinstance(getattr(config, k, None), int | float) and getattr(config, k) > 0}
+    if not found:
+        return None
+    for k in found:
+        setattr(config, k, 0.0)
+    given = ", ".join(f"{k}={v:g}" for k, v in found.items())
+    return (f"attention dropout ({given}) counted as CUDA's SDPA holds it: with dropout, CPU SDPA falls back to its "
+            f"math kernel, which keeps the score matrix, the probabilities and the dropped probabilities per layer; "
+            f"CUDA's flash kernels apply the dropout inside and keep the output and an fp32 log-sum-exp per row, as "
+            f"the CPU flash kernel does without dropout, so the step is built with attention dropout 0 (the other "
+            f"dropouts stay)")
+
+
 def from_transformers_config(name: str, config: Any, kind: str = "transformers", attention: str = "sdpa") -> Model:
-    """A transformers config as a ``Model`` (module docstring, 2)."""
+    """A transformers config as a ``Model`` (module docstring, 2). A config with ``num_frames`` whose model takes
+    ``pixel_values`` is a video model (clips of ``(frames, channels, side, side)``); with SDPA, attention dropout is
+    set to 0 (``_no_attention_dropout`` says why)."""
     import copy
 
     cls = _transformers_class(config)
     config = copy.deepcopy(config)
     config.use_cache = False  # training never reads a KV cache; building one keeps every layer's K and V
+    notes = (_no_attention_dropout(config),) if attention == "sdpa" else ()
+    if attention == "sdpa" and cls.__name__.endswith("ForCausalLM"):
+        notes += ("causal mask: transformers takes fake tensors for tracing (masking_utils' is_tracing) and builds "
+                  "the causal mask a real step skips (it passes is_causal instead); CPU SDPA then keeps one (batch, "
+                  "1, seq, seq) copy of it per layer in the activation dtype, so the activations here are that much "
+                  "above a real step's (not subtracted; benchmarks/plan_compare.md measures it)",)
     params = inspect.signature(cls.forward).parameters
     vision = "pixel_values" in params and "input_ids" not in params
+    video = vision and isinstance(getattr(config, "num_frames", None), int)
     n_layers = getattr(config, "num_hidden_layers", None)
-    classify = cls.__name__.endswith(("ForSequenceClassification", "ForImageClassification"))
+    classify = cls.__name__.endswith(("ForSequenceClassification", "ForImageClassification",
+                                      "ForVideoClassification"))
 
-    def build(layers: tuple[int, ...] | None, seq: int | None) -> nn.Module:
+    def build(layers: tuple[int, ...] | None, seq: int | None, frames: int | None) -> nn.Module:
         c = copy.deepcopy(config)
         if layers is not None:
             c.num_hidden_layers = layers[0]
         if vision and seq is not None:
             c.image_size = seq
+        if video and frames is not None:
+            c.num_frames = frames
         c._attn_implementation = attention
         return cls(c)
 
-    def make_batch(b: int, s: int) -> Batch:
+    def make_batch(b: int, s: int, frames: int | None) -> Batch:
         if vision:
-            pixels = torch.randn(b, getattr(config, "num_channels", 3), s, s)
+            image = (getattr(config, "num_channels", 3), s, s)
+            pixels = torch.randn(b, frames, *image) if video else torch.randn(b, *image)
             return {"pixel_values": pixels, "labels": torch.randint(0, config.num_labels, (b,))}
         ids = torch.randint(0, config.vocab_size, (b, s))
         labels = torch.randint(0, config.num_labels, (b,)) if classify else ids
@@ -217,7 +270,15 @@ def from_transformers_config(name: str, config: Any, kind: str = "transformers",
     default_seq = getattr(config, "image_size", None) if vision else None
     return Model(name=name, kind=kind, unit=unit, full_units=full, seq_name="image side" if vision else "tokens",
                  default_seq=default_seq, attention=attention, family=config.model_type, _build=build,
-                 _batch=make_batch, _loss=lambda runner, batch: runner(**batch).loss, shape=_shape_of(config))
+                 _batch=make_batch, _loss=lambda runner, batch: runner(**batch).loss, shape=_shape_of(config),
+                 frames=config.num_frames if video else None, frames_multiple=_tubelet(config) if video else 1,
+                 notes=tuple(n for n in notes if n))
+
+
+def _tubelet(config: Any) -> int:
+    """Frames per tubelet of a video config (VideoMAE: ``tubelet_size=2``, ViViT: ``[2, 16, 16]``; else 1)."""
+    t = getattr(config, "tubelet_size", 1)
+    return int(t[0] if isinstance(t, list | tuple) else t)
 
 
 # ------------------------------------------------------------------------------------------- open_clip, timm
@@ -243,7 +304,7 @@ def from_open_clip(name: str, cfg: Mapping[str, Any]) -> Model:
     context = cfg["text_cfg"].get("context_length", 77)
     vocab = cfg["text_cfg"].get("vocab_size", 49408)
 
-    def build(layers: tuple[int, ...] | None, image: int | None) -> nn.Module:
+    def build(layers: tuple[int, ...] | None, image: int | None, frames: int | None) -> nn.Module:
         c = copy.deepcopy(cfg)
         if layers is not None:
             c["vision_cfg"]["layers"], c["text_cfg"]["layers"] = layers
@@ -251,7 +312,7 @@ def from_open_clip(name: str, cfg: Mapping[str, Any]) -> Model:
             c["vision_cfg"]["image_size"] = image
         return open_clip.model.CLIP(**c)
 
-    def make_batch(b: int, s: int) -> Batch:
+    def make_batch(b: int, s: int, frames: int | None) -> Batch:
         return {"image": torch.randn(b, 3, s, s), "text": torch.randint(0, vocab, (b, context))}
 
     def loss(runner: Any, batch: Batch) -> torch.Tensor:
@@ -279,13 +340,13 @@ def from_timm(name: str, **model_kwargs: Any) -> Model:
     except (TypeError, AttributeError):
         scalable = False
 
-    def build(layers: tuple[int, ...] | None, seq: int | None) -> nn.Module:
+    def build(layers: tuple[int, ...] | None, seq: int | None, frames: int | None) -> nn.Module:
         kwargs = dict(model_kwargs) if layers is None else {**model_kwargs, "depth": layers[0]}
         if seq is not None and seq != default_seq:
             kwargs["img_size"] = seq
         return timm.create_model(name, pretrained=False, **kwargs)
 
-    def make_batch(b: int, s: int) -> Batch:
+    def make_batch(b: int, s: int, frames: int | None) -> Batch:
         return {"x": torch.randn(b, 3, s, s), "labels": torch.randint(0, num_classes, (b,))}
 
     def loss(runner: Any, batch: Batch) -> torch.Tensor:
@@ -308,7 +369,7 @@ def from_callable(spec: str) -> Model:
         raise PlanError(f"{spec}: {fn_name!r} is not callable")
     made: dict[str, Any] = {}
 
-    def build(layers: tuple[int, ...] | None, seq: int | None) -> nn.Module:
+    def build(layers: tuple[int, ...] | None, seq: int | None, frames: int | None) -> nn.Module:
         out = fn()
         if isinstance(out, tuple):
             if len(out) != 3 or not isinstance(out[0], nn.Module):
@@ -320,7 +381,7 @@ def from_callable(spec: str) -> Model:
         made["vocab"] = out.get_input_embeddings().num_embeddings if hasattr(out, "get_input_embeddings") else None
         return out
 
-    def make_batch(b: int, s: int) -> Batch:
+    def make_batch(b: int, s: int, frames: int | None) -> Batch:
         if "batch" in made:
             return dict(made["batch"](b, s))
         if made.get("vocab") is None:
@@ -333,6 +394,52 @@ def from_callable(spec: str) -> Model:
 
     return Model(name=spec, kind="callable", unit=(), full_units=None, seq_name="tokens", default_seq=None,
                  attention="the model's own", family="callable", _build=build, _batch=make_batch, _loss=loss)
+
+
+# ------------------------------------------------------------------------------------------- any model
+def custom(name: str, build: Callable[[int | None, int | None, int | None], nn.Module],
+           make_batch: Callable[[int, int, int | None], Batch], loss: Callable[[Any, Batch], torch.Tensor], *,
+           layers: int | None = None, seq_name: str = "tokens", default_seq: int | None = None,
+           frames: int | None = None, frames_multiple: int = 1, seq_multiple: int = 1, min_batch: int = 1,
+           family: str = "custom", attention: str = "the model's own") -> Model:
+    """A ``Model`` from three functions, for models no spec names (a harness's own architecture).
+
+    Args:
+        build: ``build(layers, seq, frames) -> nn.Module``: the model with ``layers`` repeated blocks (None: its
+            full depth), for inputs of ``seq`` and, for a video model, ``frames``; called on ``"meta"`` in the
+            parameter dtype (``Model.build``).
+        make_batch: ``make_batch(batch, seq, frames) -> dict of tensors``.
+        loss: ``loss(runner, batch) -> scalar``; ``runner`` is the model or what a technique wraps it in.
+        layers: the full depth, if ``build`` can build it shallower (then it is measured at a few depths and
+            extrapolated); None measures the whole model.
+        seq_name, default_seq, frames, frames_multiple, seq_multiple, min_batch, family, attention: as
+            ``Model``'s (``seq_name`` names what ``seq`` counts: ``"tokens"``, ``"residues"``...).
+    """
+    def by_layers(stack: tuple[int, ...] | None, seq: int | None, clip: int | None) -> nn.Module:
+        return build(None if stack is None else stack[0], seq, clip)
+
+    return Model(name=name, kind="custom", unit=(1,) if layers else (), full_units=layers, seq_name=seq_name,
+                 default_seq=default_seq, attention=attention, family=family, _build=by_layers, _batch=make_batch,
+                 _loss=loss, frames=frames, frames_multiple=frames_multiple, seq_multiple=seq_multiple,
+                 min_batch=min_batch)
+
+
+# ------------------------------------------------------------------------------------------- point clouds
+def pointnet(num_classes: int = 40) -> Model:
+    """PointNet classification (``macroarch.models.pointnet``, ModelNet40's 40 classes): ``seq`` is the points per
+    cloud (default 1024), one cross-entropy step on ``(batch, points, 3)`` clouds. Its BatchNorm after the max-pool
+    needs two clouds per step, so the batch starts at 2; its depth is fixed."""
+    from macroarch.models.pointnet import PointNet
+
+    def build(layers: tuple[int, ...] | None, seq: int | None, frames: int | None) -> nn.Module:
+        return PointNet(num_classes=num_classes)
+
+    def make_batch(b: int, s: int, frames: int | None) -> Batch:
+        return {"points": torch.randn(b, s, 3), "labels": torch.randint(0, num_classes, (b,))}
+
+    return Model(name="pointnet", kind="builder", unit=(), full_units=None, seq_name="points", default_seq=1024,
+                 attention="none (a shared MLP and max-pooling)", family="pointnet", _build=build, _batch=make_batch,
+                 _loss=lambda runner, batch: runner(**batch).loss, min_batch=2)
 
 
 # ------------------------------------------------------------------------------------------- resolution
@@ -365,6 +472,8 @@ def resolve(spec: str, attention: str = "sdpa") -> Model:
         raise PlanError(f"{spec}: no such file or directory")
     if ":" in spec:
         return from_callable(spec)
+    if spec == "pointnet":
+        return pointnet()
     config = _builder_config(spec)
     if config is not None:
         return from_transformers_config(spec, config, kind="builder", attention=attention)
@@ -374,8 +483,9 @@ def resolve(spec: str, attention: str = "sdpa") -> Model:
     if _is_timm(spec):
         return from_timm(spec)
     raise PlanError(f"unknown model {spec!r}: not a config.json or a directory with one, a project builder "
-                    f"(macroarch.models.MODELS, bert_large), an open_clip architecture, a timm model or module:fn")
+                    f"(macroarch.models.MODELS, bert_large, pointnet), an open_clip architecture, a timm model or "
+                    f"module:fn")
 
 
-__all__ = ["Model", "PlanError", "from_callable", "from_open_clip", "from_timm", "from_transformers_config",
-           "resolve"]
+__all__ = ["ATTENTION_DROPOUT_KEYS", "Model", "PlanError", "custom", "from_callable", "from_open_clip", "from_timm",
+           "from_transformers_config", "pointnet", "resolve"]

@@ -18,14 +18,18 @@ after the optimizer's state exists (a steady-state step). ``fsdp2`` is not run (
 :func:`fsdp2_model` derives it from the one-device step, and says so.
 
 Depth. A model of many identical blocks is measured at three shallow depths and extrapolated to its full depth,
-affine in depth (``extrapolate_peak`` for the peak, ``extrapolate_by_depth`` for the categories; the third depth
-must agree to the byte, and under DGR the gradients, the largest group's, must be the same at the two deepest).
-Where that check fails, or the depth cannot be changed, the full model is measured.
+affine in depth: ``extrapolate_peak`` for the peak, phase by phase (setup, forward, backward up to the first
+block's, the rest of backward, optimizer: the phase holding the peak can change with depth, as a 7B Llama's with
+MVAS moves from backward at 2-4 blocks to the update at 32), ``extrapolate_by_depth`` for the categories. The
+third depth must agree to the byte, and under DGR the gradients, the largest group's, must be the same at the two
+deepest. Where that check fails, or the depth cannot be changed, the full model is measured. The largest-batch
+search extrapolates each size from the two shallowest depths the same way.
 """
 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -70,16 +74,19 @@ class Bytes:
         peak: the largest total of live bytes during the step (temporaries, inputs and buffers included): not the
             sum of the categories.
         at_peak: MemTracker's categories at the peak (they sum to it).
+        phase: the phase of the step the peak falls in (``setup``, ``forward``, ``backward``, ``optimizer``;
+            None where unknown: the analytic fallback).
     """
 
     categories: dict[str, int]
     peak: int
     at_peak: dict[str, int] = field(default_factory=dict)
+    phase: str | None = None
 
 
 def _as_bytes(step: StepMemory) -> Bytes:
     cats = {CATEGORY_NAMES[k]: step.max_by_category[k] for k in CATEGORY_NAMES}
-    return Bytes(cats, step.peak_bytes, dict(step.by_category))
+    return Bytes(cats, step.peak_bytes, dict(step.by_category), getattr(step, "peak_phase", None))
 
 
 # ----------------------------------------------------------------------------------------------- one step
@@ -144,7 +151,11 @@ def _mvas_optimizers(optimizer: torch.optim.Optimizer) -> list:
     return [o for o in inner if isinstance(o, mvas.MVASAdamW)]
 
 
-def _update_temporaries(p: torch.Tensor, setup: Setup, combo: frozenset[str], cache: dict) -> int:
+_TEMPORARIES: dict[tuple, int] = {}
+"""``_update_temporaries`` by everything it depends on: the same update holds the same bytes in every step."""
+
+
+def _update_temporaries(p: torch.Tensor, setup: Setup, combo: frozenset[str]) -> int:
     """The most bytes ``MVASAdamW``'s update of ``p`` holds beside the state: one real update, under the fake
     tracker, of a parameter stored as ``p`` is (its format, or dense) with ``p``'s shape, its rows capped so that
     it holds at most about two step chunks (2^21 elements; the update works a chunk at a time)."""
@@ -155,23 +166,24 @@ def _update_temporaries(p: torch.Tensor, setup: Setup, combo: frozenset[str], ca
     if p.numel() > 1 << 21 and len(shape) > 1:
         cols = math.prod(shape[1:])
         shape = (max(1, -(-(1 << 21) // cols)), *shape[1:])
-    key = (shape, fmt)
-    if key in cache:
-        return cache[key]
+    master = "master" in combo or setup.mvas.master_weights
+    key = (shape, fmt, p.dtype, setup.policy.param_dtype, setup.policy.activation_dtype, setup.mvas.block_size,
+           setup.mvas.state_format, setup.mvas.min_numel, master)
+    if key in _TEMPORARIES:
+        return _TEMPORARIES[key]
     holder = nn.Module()
     holder.weight = nn.Parameter(torch.empty(shape, dtype=p.dtype if fmt is None else setup.policy.param_dtype))
     if fmt is not None:
         plan = mvas.plan_from_rules(holder, [("*", fmt)], block_size=setup.mvas.block_size, min_numel=0,
                                     keep_patterns=())
         mvas.apply(holder, plan, compute_dtype=setup.policy.activation_dtype)
-    opt = mvas.MVASAdamW(holder.parameters(), state_format=setup.mvas.state_format,
-                         master_weights="master" in combo or setup.mvas.master_weights,
+    opt = mvas.MVASAdamW(holder.parameters(), state_format=setup.mvas.state_format, master_weights=master,
                          min_state_numel=setup.mvas.min_numel, seed=0)
     opt.init_state()
     grad_dtype = setup.policy.activation_dtype if fmt is not None else p.dtype
     holder.weight.grad = torch.zeros(holder.weight.shape, dtype=grad_dtype)
-    cache[key] = measure_step(opt.step, holder, opt, holder.weight.grad).max_by_category["temporaries"]
-    return cache[key]
+    _TEMPORARIES[key] = measure_step(opt.step, holder, opt, holder.weight.grad).max_by_category["temporaries"]
+    return _TEMPORARIES[key]
 
 
 REAL_UPDATE_CALLS = 256
@@ -185,15 +197,17 @@ def _update_calls(net: nn.Module) -> int:
 
 def _stand_in_step(optimizer: torch.optim.Optimizer, temporaries: Callable[[torch.Tensor], int]) -> Callable:
     """``optimizer.step`` in memory only: for each parameter with a gradient, in order, its update's temporaries
-    allocated and freed (so the tracker sees them where the real update would hold them)."""
-    def step(*args: Any, **kwargs: Any) -> None:
-        for group in optimizer.param_groups:
+    allocated and freed (so the tracker sees them where the real update would hold them). Wrapped as torch wraps
+    every optimizer's ``step`` (``Optimizer.profile_hook_step``), so step hooks run: MemTracker's mark what the
+    step allocates as optimizer temporaries (without them it would count the scratch as activations)."""
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     scratch = torch.empty(temporaries(p), dtype=torch.uint8, device=p.device)
                     del scratch
 
-    return step
+    return types.MethodType(torch.optim.Optimizer.profile_hook_step(step), optimizer)
 
 
 def fake_step(model: Model, combo: frozenset[str], setup: Setup, batch_size: int, seq: int | None,
@@ -203,22 +217,24 @@ def fake_step(model: Model, combo: frozenset[str], setup: Setup, batch_size: int
 
     With MVAS on a model of more than ``REAL_UPDATE_CALLS`` update chunks the optimizer's update is stood in for,
     not run: ``MVASAdamW`` updates about 2^20 elements per kernel call, and under fake tensors each call costs its
-    Python dispatch (minutes for a 7B model). Its state is created
-    by ``init_state`` (what a first step creates), and each parameter's update, where the step (or DGR's hook in
-    backward) would run it, allocates and frees what that update was measured to hold beside the state
-    (``_update_temporaries``); it reads the gradients and writes the state in place, so nothing else changes."""
+    Python dispatch (minutes for a 7B model). Each parameter's update, where the step (or DGR's hook in backward)
+    would run it, allocates and frees what that update was measured to hold beside the state
+    (``_update_temporaries``); it reads the gradients and writes the state in place, so nothing else changes.
+    Either way MVAS's state is created by ``init_state`` (what a first step creates, without running one)."""
     dtype = setup.policy.param_dtype
     meta = model.build(units, dtype, seq)  # outside FakeTensorMode: some __init__s read values
-    cache: dict = {}
 
     def build() -> tuple:
         net = fake_module(meta)
         batch = model.batch(batch_size, seq, setup.policy.activation_dtype)
         runner, optimizer = _stack(net, combo, setup, lambda m: model.loss(m, batch))
-        if "mvas" in combo and _update_calls(net) > REAL_UPDATE_CALLS:
+        if "mvas" in combo:
+            stand_in = _update_calls(net) > REAL_UPDATE_CALLS
             for o in _mvas_optimizers(optimizer):
                 o.init_state()
-                o.step = _stand_in_step(o, lambda p: _update_temporaries(p, setup, combo, cache))
+                if stand_in:  # measured here, before the step's tracker starts: their own allocations are not its
+                    held = {id(p): _update_temporaries(p, setup, combo) for g in o.param_groups for p in g["params"]}
+                    o.step = _stand_in_step(o, lambda p, held=held: held[id(p)])
         return net, runner, optimizer, batch
 
     return measure_training(build, model.loss, fake=True)
@@ -294,10 +310,10 @@ def measure_full(model: Model, combo: frozenset[str], setup: Setup, batch_size: 
                             DepthPlan((), depth.full), seconds + full.seconds)
         listed = ", ".join(str(d) for d in depth.depths)
         check = "a third depth agreeing to the byte" if len(depth.depths) > 2 else "not checked on a third depth"
-        how = (f"extrapolated in depth from {listed} of {depth.full} depth units ({_unit_text(model)}), affine, "
-               f"{check}")
-        return Measured(Bytes({CATEGORY_NAMES[k]: v for k, v in cats.items()}, peak.peak_bytes, peak.by_category),
-                        how, depth, seconds)
+        how = (f"extrapolated in depth from {listed} of {depth.full} depth units ({_unit_text(model)}), each phase "
+               f"of the step affine on its own (the full depth's peak falls in the {peak.peak_phase} phase), {check}")
+        return Measured(Bytes({CATEGORY_NAMES[k]: v for k, v in cats.items()}, peak.peak_bytes, peak.by_category,
+                              peak.peak_phase), how, depth, seconds)
     full = fake_step(model, combo, setup, batch_size, seq, None)
     return Measured(_as_bytes(full), "measured at full depth", depth, full.seconds)
 
@@ -358,7 +374,8 @@ def fsdp2_model(one: Bytes, units: Units, dense_weights: int, devices: int) -> B
         at_peak[k] = -(-at_peak.get(k, 0) // n)
     sharded = sum(one.at_peak.get(k, 0) for k in state) - sum(at_peak[k] for k in state)
     at_peak["other"] = at_peak.get("other", 0) + gathered
-    return Bytes({**shard, "activations": one.categories["activations"]}, one.peak - sharded + gathered, at_peak)
+    return Bytes({**shard, "activations": one.categories["activations"]}, one.peak - sharded + gathered, at_peak,
+                 one.phase)
 
 
 __all__ = ["CATEGORY_NAMES", "TECHNIQUES", "Bytes", "DepthPlan", "Measured", "Setup", "Units", "depth_plan",

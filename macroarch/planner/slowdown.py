@@ -1,42 +1,45 @@
-"""Expected slowdown of a combination of techniques: the benchmarks' measured step-time ratios, nothing else.
+"""Expected slowdown of a combination of techniques: the benchmarks' measured step-time ratios, read from their
+committed output, nothing else.
 
-A ratio is a training step's time with the techniques over the reference's time, in one run of one benchmark.
-Only combinations a benchmark measured have one; every other is ``None`` ("unmeasured"), never a product or
-a guess. The ratios are CPU measurements at small size (the machines and sizes are named in ``source``); on a
-GPU the costs differ (the dequantisation of packed weights, recomputation, all-gathers), so "cheapest" means
-"least slowdown among what was measured", stated as such.
+A ratio is a training step's time with the techniques over the plain step's time, in one run of one benchmark,
+read from the JSON that run wrote (``benchmarks/figures/``, in a source checkout). Only combinations a committed
+run measured have one; every other is unmeasured, never a product or a guess. The runs are CPU measurements at
+small size (the JSON names the machine and the model); on a GPU the costs differ (the dequantisation of packed
+weights, recomputation, all-gathers), so "cheapest" means "least slowdown among what was measured", stated as such.
 
-- ``mvas``, ``mvas + dgr``: ``benchmarks/mvas.py``'s training step (a 3.25M-parameter Llama, 4 layers of width
-  256, one thread, AVX-512 + AMX CPU, 2026-12-03 at c225872), ``step_s`` of "MVAS" and "MVAS + DGR" over "AdamW
-  bf16 + fp32 master" at 1024, 4096 and 16384 tokens, from ``benchmarks/figures/mvas_avx512.json``; the ratio
-  used is the median of the three, the range is kept beside it.
-- ``dgr``: ``benchmarks/dgr.py`` (256 layers of width 64, 12.8M parameters, one thread), in
-  ``docs/benchmarks.md``: plain step over DGR-sync step 0.963x (median of 11, atomic steps on), so a time ratio
-  of 1 / 0.963. The planner runs DGR without atomic steps, which skips their copies: an upper bound.
-- ``checkpoint``, ``fsdp2``, ``master`` and every other combination: no benchmark here measures them.
+- ``mvas``, ``mvas + dgr``: ``benchmarks/mvas.py``'s training step, ``benchmarks/figures/mvas_avx512.json``:
+  ``step_s`` of its "MVAS" and "MVAS + DGR" runs over the plain step of the dtype recipe (``bf16_mixed``: "AdamW
+  bf16 + fp32 master", ``fp32``: "AdamW fp32"; any other recipe: the run's own reference, said so) at each of its
+  sizes; the ratio is the median over the sizes and the range over them is kept beside it.
+- ``dgr`` alone, ``checkpoint``, ``fsdp2``, ``master`` and every other combination: no committed run measures them
+  (``benchmarks/dgr.py`` prints its ratio but writes no JSON), so they are unmeasured.
+
+Two ratios are told apart only where their ranges do not overlap (:meth:`Slowdown.faster_than`): MVAS's 0.95x over a
+range of 0.87-1.04 is not measurably faster than the plain step's 1.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-_MVAS_JSON = "benchmarks/figures/mvas_avx512.json"
-_MVAS_TOKENS = (1024, 4096, 16384)
-# step_s from _MVAS_JSON at 1024 / 4096 / 16384 tokens (tests/planner check them against the file)
-_REFERENCE_S = (0.23373517200525384, 0.8187705820018891, 3.2544030610006303)
-_MVAS_S = (0.24257874900649767, 0.7764869430102408, 2.8202351049985737)
-_MVAS_DGR_S = (0.24726644999464042, 0.8064091799897142, 3.7318743329960853)
-_DGR_SPEED = 0.963  # docs/benchmarks.md, DGR-sync: "median of 11: 0.963x"
+MVAS_RUNS = "benchmarks/figures/mvas_avx512.json"
+"""The committed output of ``benchmarks/mvas.py`` (relative to the project root)."""
+_VARIANTS = {frozenset({"mvas"}): "MVAS", frozenset({"mvas", "dgr"}): "MVAS + DGR"}
+_REFERENCES = {"bf16_mixed": "AdamW bf16 + fp32 master", "fp32": "AdamW fp32"}
 
 
 @dataclass(frozen=True)
 class Slowdown:
-    """A measured step-time ratio (>1: slower than the reference) and where it comes from.
+    """A measured step-time ratio (>1: slower than the plain step) and where it comes from.
 
     Attributes:
         ratio: the ratio used for ranking (None: unmeasured).
         low, high: the range over the benchmark's sizes (equal to ``ratio`` when one was measured).
-        source: the benchmark, file and run it comes from, or why there is none.
+        source: the run it was read from (file, runs compared, sizes, model, machine), or why there is none.
     """
 
     ratio: float | None
@@ -48,6 +51,10 @@ class Slowdown:
     def measured(self) -> bool:
         return self.ratio is not None
 
+    def faster_than(self, other: Slowdown) -> bool:
+        """Measurably faster: this whole range lies below ``other``'s (overlapping ranges are a tie)."""
+        return self.measured and other.measured and self.high < other.low
+
     def text(self) -> str:
         if self.ratio is None:
             return "unmeasured"
@@ -55,28 +62,61 @@ class Slowdown:
         return f"{self.ratio:.2f}x{spread}"
 
 
-def _from_times(times: tuple[float, ...], what: str) -> Slowdown:
-    ratios = sorted(t / r for t, r in zip(times, _REFERENCE_S, strict=True))
+PLAIN = Slowdown(1.0, 1.0, 1.0, "the reference: the dtype recipe's AdamW")
+
+
+def _root() -> Path:
+    from macroarch.paths import project_root
+
+    return project_root()
+
+
+@functools.cache
+def _runs(path: Path) -> dict[str, Any] | str:
+    """The benchmark's JSON, or why it cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"{MVAS_RUNS} is not here (a source checkout of the project has it)"
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{MVAS_RUNS} cannot be read ({e})"
+
+
+def _from_runs(data: dict[str, Any], variant: str, recipe: str) -> Slowdown:
+    results = data.get("results", {})
+    reference = _REFERENCES.get(recipe) if _REFERENCES.get(recipe) in results else None
+    caveat = ""
+    if reference is None:
+        reference = data.get("reference")
+        caveat = f"; the run has no plain step of the {recipe} recipe, so its own reference"
+    if variant not in results or reference not in results:
+        return Slowdown(None, None, None, f"{MVAS_RUNS} has no {variant!r} or {reference!r} run")
+    times, base = results[variant]["step_s"], results[reference]["step_s"]
+    sizes = sorted(set(times) & set(base), key=int)
+    ratios = sorted(times[k] / base[k] for k in sizes)
+    config, machine = data.get("config", {}), data.get("machine", {})
+    model = (f"{data['n_params'] / 1e6:.2f}M-parameter Llama, {config.get('layers')} layers of width "
+             f"{config.get('width')}" if "n_params" in data else "the benchmark's model")
+    where = ", ".join(str(x) for x in (machine.get("cpu_model"), machine.get("cpu_capability"),
+                                       f"{machine.get('threads')} thread(s)", f"torch {machine.get('torch')}")
+                      if x is not None)
     return Slowdown(ratios[len(ratios) // 2], ratios[0], ratios[-1],
-                    f"{_MVAS_JSON}: {what} over 'AdamW bf16 + fp32 master' step_s, median of "
-                    f"{'/'.join(map(str, _MVAS_TOKENS))} tokens (3.25M-parameter Llama, one CPU thread, c225872)")
+                    f"{MVAS_RUNS}: {variant!r} step_s over {reference!r}{caveat}, median over "
+                    f"{'/'.join(sizes)} tokens per step ({model}; {where})")
 
 
-_TABLE: dict[frozenset[str], Slowdown] = {
-    frozenset(): Slowdown(1.0, 1.0, 1.0, "the reference: the dtype recipe's AdamW"),
-    frozenset({"mvas"}): _from_times(_MVAS_S, "'MVAS'"),
-    frozenset({"mvas", "dgr"}): _from_times(_MVAS_DGR_S, "'MVAS + DGR'"),
-    frozenset({"dgr"}): Slowdown(1 / _DGR_SPEED, 1 / _DGR_SPEED, 1 / _DGR_SPEED,
-                                 "docs/benchmarks.md, benchmarks/dgr.py: DGR-sync 0.963x the plain step's speed "
-                                 "(median of 11, atomic steps on: an upper bound), 12.8M parameters, one CPU thread"),
-}
+def slowdown(techniques: frozenset[str], recipe: str = "bf16_mixed") -> Slowdown:
+    """The measured ratio of exactly this combination under the dtype ``recipe``, or an unmeasured ``Slowdown``
+    naming why."""
+    if not techniques:
+        return PLAIN
+    variant = _VARIANTS.get(frozenset(techniques))
+    if variant is None:
+        return Slowdown(None, None, None, "no committed benchmark run measures this combination")
+    data = _runs(_root() / MVAS_RUNS)
+    if isinstance(data, str):
+        return Slowdown(None, None, None, data)
+    return _from_runs(data, variant, recipe)
 
 
-def slowdown(techniques: frozenset[str]) -> Slowdown:
-    """The measured ratio of exactly this combination, or an unmeasured ``Slowdown`` naming why."""
-    if techniques in _TABLE:
-        return _TABLE[techniques]
-    return Slowdown(None, None, None, "no benchmark here measures this combination")
-
-
-__all__ = ["Slowdown", "slowdown"]
+__all__ = ["MVAS_RUNS", "PLAIN", "Slowdown", "slowdown"]

@@ -118,7 +118,7 @@ class MemoryReport:
         return self.end_of_forward["activations"]
 
 
-class _CategoryTracker:
+class CategoryTracker:
     """A MemTracker that also keeps this module's categories, their maxima and per-phase peaks.
 
     MemTracker reports every change to a tracked storage; mirroring each change here keeps the refined totals
@@ -135,7 +135,7 @@ class _CategoryTracker:
         self.phases: dict[str, PhasePeak] = {}  # phase -> its peak
         self._tracker = memtracker.tracker(self._on_change, defer=_is_managed_weight)
 
-    def __enter__(self) -> _CategoryTracker:
+    def __enter__(self) -> CategoryTracker:
         self._tracker.__enter__()
         return self
 
@@ -194,12 +194,12 @@ def _is_managed_weight(types: tuple[type, ...]) -> bool:
     return any(issubclass(t, MVASWeight) for t in types)
 
 
-def _tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inputs: Any) -> _CategoryTracker:
+def tracker_for(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *inputs: Any) -> CategoryTracker:
     """A tracker that already knows ``model``, ``optimizer`` and ``inputs``, with the optimizer's state filed:
     ``master`` copies as master weights, ``step`` counters as other, every other state tensor (Adam's
     ``exp_avg``/``exp_avg_sq``, block scales and maps of quantised states) as optimizer state. Its ``setup``
-    phase starts now."""
-    tracker = _CategoryTracker()
+    phase starts now. Public: the planner (:mod:`macroarch.measure.fit`) measures its phased steps with it."""
+    tracker = CategoryTracker()
     tracker.track_external(model, optimizer, *inputs)
     for state in optimizer.state.values():
         for key, value in state.items():
@@ -315,7 +315,7 @@ def measure_training_step(
             create_optimizer_state(optimizer, [p for p in net.parameters() if p.requires_grad])
         input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), device=device)
 
-        tracker = _tracker_for(net, optimizer, input_ids)
+        tracker = tracker_for(net, optimizer, input_ids)
         start = time.perf_counter()
         with tracker:
             tracker.start_phase("forward")
@@ -367,7 +367,7 @@ def measure_step(step: Callable[[], Any], model: torch.nn.Module, optimizer: tor
     weights, MVAS's packed weights as parameters.
     Gradients are the tensors MemTracker sees accumulated into ``.grad``.
     """
-    tracker = _tracker_for(model, optimizer, *inputs)
+    tracker = tracker_for(model, optimizer, *inputs)
     start = time.perf_counter()
     with tracker:
         tracker.start_phase("step")
