@@ -42,8 +42,8 @@ def bitwise_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
 def _grid_values(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     """Stored codes as the (unscaled) values they stand for, float32: fp4 bytes as their two nibbles, fp8 bytes
     (``_as_bytes``) as fp8."""
-    if fmt == "fp4_e2m1":
-        return e2m1_byte_table(codes.device)[codes.long()].view(-1)
+    if fmt == "fp4_e2m1":  # bytes, or the int32 words the compiled step passes them as
+        return e2m1_byte_table(codes.device)[codes.contiguous().view(torch.uint8).long()].view(-1)
     if codes.dtype == torch.uint8 and get_format(fmt).storage_dtype in FP8_DTYPES:
         codes = codes.view(get_format(fmt).storage_dtype)
     return codes.float().view(-1)

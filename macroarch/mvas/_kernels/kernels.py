@@ -11,9 +11,10 @@ into a few loops over the bytes:
   and the weight, run ``macroarch.optim.functional.adamw_update_`` (the one AdamW), encode the moments (round
   to nearest) and the weight (stochastic rounding, or nearest from an fp32 master) and write them back in place.
 
-The source is written for the compiler as much as for the reader: the codecs build fp8 and fp4 codes with
-integer shifts and masks (``macroarch.mvas.codecs.codes``), the noise hash works in int32 lanes, and on CPUs
-without AVX-512 fp8 payloads enter the kernels as their bytes (``as_bytes``), so every op has vector code.
+The source is written for the compiler as much as for the reader, so that every op has vector code: the codecs
+round with float ops and pack fp4 nibbles as int64 lanes (``macroarch.mvas.codecs.codes``), fp4 payloads enter the
+step as int32 words, the noise hash works in int32 lanes on element indices the step passes in (row starts plus
+lanes), and on CPUs without AVX-512 fp8 payloads enter the kernels as their bytes (``as_bytes``).
 
 **Equality.** Stochastic rounding draws its noise from a counter-based hash (``counter_noise``: integer
 arithmetic on the element index, the tensor's key and the step), which the compiler cannot change, so the
@@ -22,7 +23,8 @@ reordered by Inductor (it decomposes ``lerp`` and ``addcdiv`` and fuses ``addcmu
 and eager agree on the fp32 update to a few ulps: block scales within 4 ulps, and codes one grid step apart where
 such an ulp crosses a rounding boundary, rare except on a first step from zero moments with bf16 gradients, whose
 values sit on rounding midpoints (the guard allows 2%: ``guard.CODE_FLIPS``; ``tests/mvas/_kernels`` checks these
-bounds). The dequantisation is exact either way: compiled equals eager bitwise.
+bounds). Everything else, decoding, block maxima, rounding and encoding, is exact: the dequantisation, and a step
+whose update is exact in any order, are compiled bitwise the eager source.
 
 Layout: a kernel sees every input as rows of one static length (whole blocks of the weight and of the moments),
 the number of rows symbolic; a tensor whose length is not whole rows, and a weight with one scale for the whole
@@ -86,11 +88,14 @@ class StepSpec:
 
 
 def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, exp_avg: tuple,
-                exp_avg_sq: tuple, counter: torch.Tensor, scalars: tuple | torch.Tensor, spec: StepSpec) -> None:
+                exp_avg_sq: tuple, counter: torch.Tensor, positions: tuple | None, scalars: tuple | torch.Tensor,
+                spec: StepSpec) -> None:
     """One packed AdamW step of a tensor (see the module docstring); ``weight``, ``exp_avg`` and ``exp_avg_sq``
-    are ``(payload, scales)`` pairs, all flat or all rows of whole blocks , written in place;
-    ``scalars`` the values of ``functional.adamw_scalars``: Python floats (eager), or the float64 tensor of them a
-    compiled kernel takes as an argument (read back as symbolic numbers: a new step or LR does not recompile)."""
+    are ``(payload, scales)`` pairs, all flat or all rows of whole blocks (fp4 payloads as int32 words), written in
+    place; ``positions`` None (flat), or, for rows, each row's first element index (rows, 1) and ``arange`` of the row
+    length, the element indices ``counter_noise`` hashes as row start plus lane; ``scalars`` the values of
+    ``functional.adamw_scalars``: Python floats (eager), or the float64 tensor of them a compiled kernel takes as an
+    argument (read back as symbolic numbers: a new step or LR does not recompile)."""
     if isinstance(scalars, torch.Tensor):
         decay, _, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt = (scalars[i].item() for i in range(7))
         avg_weight = scalars[1].float()  # a tensor: lerp branches on its weight
@@ -113,8 +118,7 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
     elif spec.weight_format == "dense":
         w = weight[0] if weight[0].dtype == torch.float32 else weight[0].float()
     else:
-        # fp4 by pairs without AVX-512, where element by element compiles worse (codecs.codes._decode_e2m1_elements)
-        w = decode(weight[0], weight[1], spec.weight_format, spec.weight_block, n, by_pairs=software_fp8(grad))
+        w = decode(weight[0], weight[1], spec.weight_format, spec.weight_block, n)
     adamw_update_(w, g, m, v, decay, avg_weight, beta2, sq_weight, eps, neg_step_size, bias_correction2_sqrt)
     if spec.weight_format == "dense":
         if weight[0].dtype != torch.float32 or master is not None:
@@ -122,8 +126,9 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
     else:
         noise = None
         if spec.stochastic and master is None and get_format(spec.weight_format).storage_dtype != torch.float32:
-            noise = counter_noise(counter, n, noise_bits(spec.weight_format)).view(w.shape)
-        payload, scales = encode(w, spec.weight_format, spec.weight_block, noise)
+            index = None if positions is None else positions[0] + positions[1]
+            noise = counter_noise(counter, n, noise_bits(spec.weight_format), index).view(w.shape)
+        payload, scales = encode(w, spec.weight_format, spec.weight_block, noise, words=_words(weight[0]))
         weight[0].copy_(_as_stored(payload, weight[0]))
         if scales is not None:
             weight[1].copy_(scales.view(weight[1].shape))
@@ -133,10 +138,16 @@ def _adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, 
         root_max = None if spec.state_block is None else \
             v.view(*v.shape[:-1], -1, spec.state_block).amax(dim=-1).sqrt()
         for (payload, scales), value, absmax in ((exp_avg, m, None), (exp_avg_sq, v.sqrt(), root_max)):
-            new_payload, new_scales = encode(value, spec.state_format, spec.state_block, absmax=absmax)
+            new_payload, new_scales = encode(value, spec.state_format, spec.state_block, absmax=absmax,
+                                             words=_words(payload))
             payload.copy_(_as_stored(new_payload, payload))
             if new_scales is not None:
                 scales.copy_(new_scales.view(scales.shape))
+
+
+def _words(payload: torch.Tensor) -> bool:
+    """Whether ``payload`` is an fp4 payload passed as int32 words (``adamw_step``)."""
+    return payload.dtype == torch.int32
 
 
 def _as_stored(codes: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
@@ -151,6 +162,24 @@ def as_bytes(payload: torch.Tensor | None) -> torch.Tensor | None:
     if payload is None or payload.dtype not in FP8_DTYPES or not software_fp8(payload):
         return payload
     return payload.view(torch.uint8)
+
+
+def _whole_words(payload: torch.Tensor) -> bool:
+    """Whether an fp4 payload (bytes) can be viewed as int32 words: at a 4-byte offset, whole words."""
+    return payload.storage_offset() % 4 == 0 and payload.numel() % 4 == 0
+
+
+_POSITIONS: dict[tuple[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _positions(rows: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(arange(rows)[:, None] * width, arange(width))`` as int32 on ``device``, made once per size (the step's
+    ``positions``): inputs the compiled loop loads, where an ``arange`` in the kernel is built one lane at a time."""
+    key = (rows, width, device)
+    if key not in _POSITIONS:
+        _POSITIONS[key] = (torch.arange(rows, dtype=torch.int32, device=device)[:, None] * width,
+                           torch.arange(width, dtype=torch.int32, device=device))
+    return _POSITIONS[key]
 
 
 runner.register("dequantize", _dequantize)
@@ -186,7 +215,7 @@ def canonical_spec(spec: StepSpec) -> StepSpec:
 def _step_rows(spec: StepSpec, n: int) -> int | None:
     """Rows of whole blocks (of the weight and the moments, and whole fp4 bytes) that ``n`` elements make, or None
     where they do not divide (the eager path)."""
-    units = [2 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]
+    units = [8 if "fp4_e2m1" in (spec.weight_format, spec.state_format) else 1]  # fp4: whole int32 words
     if spec.weight_format != "dense" and get_format(spec.weight_format).block_scaled:
         units.append(spec.weight_block or n)
     if spec.state_format != "fp32" and get_format(spec.state_format).block_scaled:
@@ -201,16 +230,24 @@ def adamw_step(grad: torch.Tensor, weight: tuple, master: torch.Tensor | None, e
     """One AdamW step of a flat tensor in its storage, in place (``_adamw_step``; compiled unless
     ``compile=False`` or ``MACROARCH_COMPILE=0``). ``scalars``: ``functional.adamw_scalars(...)``."""
     spec = canonical_spec(spec)
-    flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, tuple(scalars), spec)
+    flat = (grad, weight, master, exp_avg, exp_avg_sq, counter, None, tuple(scalars), spec)
     rows = _step_rows(spec, grad.numel())
-    if rows is None or not (compile_enabled(compile) and eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])):
+    # fp4 payloads enter as int32 words, whose nibbles the kernel packs and unpacks whole lanes at a time
+    # (codecs.codes._pack_words)
+    words = [p for p, fmt in ((weight[0], spec.weight_format), (exp_avg[0], spec.state_format),
+                              (exp_avg_sq[0], spec.state_format)) if fmt == "fp4_e2m1"]
+    if rows is None or not (compile_enabled(compile) and eligible([grad, master, *weight, *exp_avg, *exp_avg_sq])
+                            and all(map(_whole_words, words))):
         return run("adamw_step", None, flat)
 
     def as_rows(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else as_bytes(t).view(rows, -1)
+        if t is None:
+            return None
+        return (t.view(torch.int32) if any(t is p for p in words) else as_bytes(t)).view(rows, -1)
 
     args = (as_rows(grad), tuple(map(as_rows, weight)), as_rows(master), tuple(map(as_rows, exp_avg)),
-            tuple(map(as_rows, exp_avg_sq)), counter, torch.tensor(tuple(scalars), dtype=torch.float64), spec)
+            tuple(map(as_rows, exp_avg_sq)), counter, _positions(rows, grad.numel() // rows, grad.device),
+            torch.tensor(tuple(scalars), dtype=torch.float64), spec)
     run("adamw_step", rows, args, flat, _step_written)
 
 

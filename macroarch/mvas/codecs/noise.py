@@ -17,15 +17,22 @@ _GOLDEN = 0x61C88647  # 2^32 / golden ratio (negated): spreads consecutive indic
 _LOWBIAS = (0x7FEB352D, 0x846CA68B - (1 << 32))  # lowbias32's multipliers, the second as a signed int32
 
 
-def counter_noise(counter: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+def counter_noise(counter: torch.Tensor, numel: int, bits: int, index: torch.Tensor | None = None) -> torch.Tensor:
     """Uniform int32 noise in ``[0, 2^bits)`` for elements ``counter[1] + i``, i < ``numel``, of the stream
     ``counter[0]`` (int64, a 32-bit key): Wellons' lowbias32 hash of the key and the element index, in int32
     arithmetic that wraps (two's complement, as torch's int32 ops and the compiled loops both do; the logical
     shifts are arithmetic shifts masked). Pure integer arithmetic: bitwise the same eager, compiled, on any device,
     and for any split of a tensor into chunks. Int32, not int64: a vector of int32 lanes multiplies in one
-    instruction (64-bit lanes need three, or a scalar loop on AVX2)."""
+    instruction (64-bit lanes need three, or a scalar loop on AVX2).
+
+    ``index``: the ``i`` themselves (int32, ``numel`` of them, any shape; the noise takes its shape), where the
+    caller has them; default ``arange(numel)``. The compiled step passes rows of them as row starts plus lanes, which
+    a compiled loop loads, rather than the consecutive indices it would build one lane at a time
+    (``docs/upstream/inductor-arange-per-lane.md``)."""
     key = counter.to(torch.int32)  # (stream key, first element index), wrapped to int32
-    x = (torch.arange(numel, dtype=torch.int32, device=counter.device) + key[1]) * _GOLDEN + key[0]
+    if index is None:
+        index = torch.arange(numel, dtype=torch.int32, device=counter.device)
+    x = (index + key[1]) * _GOLDEN + key[0]
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * _LOWBIAS[0]
     x = x ^ ((x >> 15) & 0x1FFFF)

@@ -71,9 +71,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 
 from macroarch.mvas.codecs.codes import FP8_DTYPES
 from macroarch.mvas.codecs.formats import FORMATS
+from macroarch.mvas.interop.state_dict import PAYLOAD_SUFFIX, SCALES_SUFFIX, TensorSnapshot
 from macroarch.mvas.packed.packed_tensor import bad_scales, nonfinite_codes
 from macroarch.mvas.packed.weight import MVASWeight
-from macroarch.mvas.interop.state_dict import PAYLOAD_SUFFIX, SCALES_SUFFIX, TensorSnapshot
 from macroarch.optim.functional import local
 
 __all__ = ["EXTRAS_NAME", "OPTIM_PREFIX", "check_compatible", "checkpoint_state", "ensure_state", "load",

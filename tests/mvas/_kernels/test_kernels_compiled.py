@@ -1,7 +1,7 @@
 """mvas.kernels: the counter-based noise, and the compiled kernels against the eager path (the reference).
 
 The compiled tests are marked slow: each storage combination is one C++ compilation (10-60 s on a loaded core).
-They compile three kernels in all (one AdamW step, two dequantisations), and the AVX2 test four more, twice, in
+They compile seven kernels in all (five AdamW steps, two dequantisations), and the AVX2 test four more, twice, in
 subprocesses. The guard test needs no compiler (its "compiled" kernel is a stand-in)."""
 
 import copy
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from macroarch.mvas import FORMATS, pack, plan_from_rules
+from macroarch.mvas import FORMATS, get_format, pack, plan_from_rules
 from macroarch.mvas._kernels import guard, kernels
 from macroarch.mvas._kernels import runner as compiled
 from macroarch.mvas.codecs import codes as codecs
@@ -41,6 +41,16 @@ def test_counter_noise_is_uniform_reproducible_and_the_same_in_any_chunking():
     assert float(((low - n / 16) ** 2 / (n / 16)).sum()) < 40.0
     other = noise.counter_noise(torch.tensor([noise.stream_key(1, 2, 4), 0]), n, bits)
     assert float((other == full).double().mean()) < 0.01  # another step: another stream
+
+
+def test_counter_noise_of_given_indices_is_the_noise_of_those_elements():
+    """The compiled step passes its element indices as row starts plus lanes (``index``): the noise of the same
+    elements as ``arange``'s, in their shape."""
+    key = torch.tensor([noise.stream_key(5, 6, 7), 1024])
+    rows, width = 24, 128
+    index = torch.arange(rows, dtype=torch.int32)[:, None] * width + torch.arange(width, dtype=torch.int32)
+    got = noise.counter_noise(key, rows * width, 20, index)
+    assert got.shape == (rows, width) and torch.equal(got.view(-1), noise.counter_noise(key, rows * width, 20))
 
 
 def test_stream_keys_are_splitmix64_and_a_kept_prefix_gives_the_same_key():
@@ -166,8 +176,8 @@ def test_the_guard_accepts_first_steps_from_zero_moments_with_bf16_gradients(mon
                                         ("fp4_e2m1", torch.float32), ("fp4_e2m1", torch.float16)])
 def test_compiled_dequantize_is_bitwise_eager(fmt, dtype, monkeypatch):
     """Bit for bit (signed zeros included), fp4 with every byte at every position of a block, and scales whose
-    products round to even, overflow bf16 or fp16, or are subnormal (fp4 pairs are written as one integer lane, the
-    bf16 rounding done on the bits: codecs._decode_e2m1_rows)."""
+    products round to even, overflow bf16 or fp16, or are subnormal (fp4 nibbles unpacked by int64 lanes,
+    codecs._unpack_words, then decoded, scaled and cast element by element)."""
     kernels.reset_compile_stats()
     for n in (512, 4096 + 1024):  # two sizes, one kernel
         p = pack(torch.randn(n), fmt, 32)
@@ -407,3 +417,44 @@ def test_compiled_kernels_equal_eager_under_avx2_with_a_cache_written_under_the_
     for result in (native, emulated):
         assert result["dequantize"] == {"fp8_e4m3": 0, "fp8_e5m2": 0, "fp4_e2m1": 0}, result
         assert result["step"] == [None] * 6 and result["compiled_calls"] == 4, result
+
+
+def _exact_step(weight_format, state_format, stochastic, master, compile):
+    """One step of a 4096-element tensor whose update is exact in any order of float operations (lr 0, betas 0:
+    m = g, v = g * g, the weight as it was), so that compiled and eager must agree bit for bit: what is left is
+    decoding, block maxima, rounding (stochastic from the counter noise), encoding and fp4 packing."""
+    n, g = 4096, torch.Generator().manual_seed(11)
+    state_block = 128 if get_format(state_format).block_scaled else None
+    spec = kernels.StepSpec(weight_format, 32, stochastic, master, state_format, state_block,
+                            min_subnormal(state_format) if state_block else 0.0)
+    values = torch.randn(n, generator=g) * 0.02
+    w = pack(values, weight_format, 32)
+    moments = [pack(torch.randn(n, generator=g) * s, state_format, state_block) for s in (1e-2, 1e-3)]
+    tensors = [[t.payload.clone(), None if t.scales is None else t.scales.clone()] for t in (w, *moments)]
+    master_weight = values.clone() if master else None
+    grad = (torch.randn(n, generator=g) * 1e-3).bfloat16()
+    scalars = adamw_scalars(4.0, 0.0, 0.0, 0.0, 1e-8, 0.1)
+    counter = torch.tensor([noise.stream_key(1, 2, 4), 0])
+    kernels.adamw_step(grad, tuple(tensors[0]), master_weight, tuple(tensors[1]), tuple(tensors[2]), counter, scalars,
+                       spec, compile=compile)
+    return [t for pair in tensors for t in pair if t is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_format, state_format, stochastic, master", [
+    ("fp8_e4m3", "fp8_e4m3", True, False), ("fp4_e2m1", "fp4_e2m1", True, False),
+    ("fp8_e5m2", "fp4_e2m1", False, False), ("fp4_e2m1", "fp8_e4m3", False, True)])
+def test_compiled_codecs_are_bitwise_eager_in_the_step(weight_format, state_format, stochastic, master, monkeypatch):
+    """Everything of the compiled step but the float update's operation order (the float-op stochastic and nearest
+    rounding, the native fp8 casts, fp4 codes packed and unpacked as int32 words, the counter noise from row starts
+    plus lanes) equals the eager source bit for bit, and the kernel compiles (an Inductor error would fall back to
+    eager, which this would not notice but for the count)."""
+    monkeypatch.setattr(compiled, "_VERIFIED", {})
+    monkeypatch.setattr(compiled, "_FAILED", {})
+    kernels.reset_compile_stats()
+    fused = _exact_step(weight_format, state_format, stochastic, master, True)
+    eager = _exact_step(weight_format, state_format, stochastic, master, False)
+    stats = kernels.compile_stats()
+    assert stats["compile_failures"] == 0 and stats["compiled_calls"] == 1 and stats["mismatches"] == 0
+    for got, want in zip(fused, eager):
+        assert guard.bitwise_difference(got, want) is None

@@ -235,3 +235,123 @@ def test_stochastic_rounding_keeps_every_sign_and_rounds_the_magnitude(name):
     number = ~y.isnan()
     assert torch.equal(got[number].signbit(), y[number].signbit())
     assert torch.equal(got[number].abs(), magnitude[number]) and got[~number].isnan().all()
+
+
+# --------------------------------------------------------------------------- the element arithmetic, bit for bit
+def _patterns(count: int, top: float) -> torch.Tensor:
+    """About ``count`` evenly spaced non-negative float32 bit patterns up to ``top`` (zero, subnormals, every
+    binade), plus each binade's first and last pattern (the edges where a rounding carries into the next binade)."""
+    last = int(torch.tensor(top, dtype=torch.float32).view(torch.int32))
+    every = torch.arange(0, last + 1, max(1, last // count), dtype=torch.int64)
+    edges = torch.arange(1, 255, dtype=torch.int64) << 23
+    bits = torch.cat([every, edges, edges - 1, torch.tensor([last])]).to(torch.int32)
+    values = bits.view(torch.float32)
+    return values[values <= top]
+
+
+def _stochastic_by_bits(a, mantissa_bits, min_exponent, noise):
+    """Stochastic rounding written on the float32 bits (an independent reference): the noise added below the kept
+    mantissa bits, which are then cleared; below 2^min_exponent, floor(a / spacing + noise / 2^k) * spacing."""
+    shift = 23 - mantissa_bits
+    normal = ((a.view(torch.int32) + noise) & ~((1 << shift) - 1)).view(torch.float32)
+    spacing = 2.0 ** (min_exponent - mantissa_bits)
+    small = torch.floor(a / spacing + noise.float() / (1 << shift)) * spacing
+    return torch.where(a < 2.0 ** min_exponent, small, normal)
+
+
+def test_the_unit_in_the_first_place_is_the_leading_power_of_two_of_every_float():
+    from macroarch.mvas.codecs.codes import _unit
+
+    a = _patterns(1 << 22, 2.0 ** 104 - 1)
+    a = a[a >= 2.0 ** -126]  # normal values: the range ``_unit`` is exact on
+    want = ((a.view(torch.int32) >> 23) << 23).view(torch.float32)  # the exponent bits alone
+    assert torch.equal(_unit(a).view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"])
+def test_stochastic_rounding_by_float_ops_is_the_bit_pattern_rounding(name):
+    """``_stochastic_magnitude`` (float ops only, which compile to vector code) is bit for bit the rounding on the
+    float32 bit pattern, for every binade of the format, its subnormals and zero, with the noise at random and at
+    both extremes (no carry, and a carry into the next binade)."""
+    from macroarch.mvas.codecs.codes import _stochastic_magnitude, noise_bits
+
+    f = get_format(name)
+    min_exponent = 2 - 2 ** (f.exponent_bits - 1)
+    a = _patterns(1 << 22, f.max_normal)
+    gen = torch.Generator().manual_seed(0)
+    k = noise_bits(name)
+    for noise in (torch.randint(0, 1 << k, a.shape, generator=gen, dtype=torch.int32),
+                  torch.zeros(a.shape, dtype=torch.int32), torch.full(a.shape, (1 << k) - 1, dtype=torch.int32)):
+        got = _stochastic_magnitude(a, f.mantissa_bits, min_exponent, noise, f.max_normal)
+        want = _stochastic_by_bits(a, f.mantissa_bits, min_exponent, noise)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_nearest_rounding_by_float_ops_is_torchs_fp8_cast(name):
+    from macroarch.mvas.codecs.codes import _nearest_magnitude
+
+    f = get_format(name)
+    a = _patterns(1 << 22, f.max_normal)
+    got = _nearest_magnitude(a, f.mantissa_bits, 2 - 2 ** (f.exponent_bits - 1))
+    assert torch.equal(got.view(torch.int32), a.to(FP8[name]).float().view(torch.int32))
+
+
+def test_fp4_codes_are_the_nearest_and_stochastic_grid_values_with_every_sign_bit():
+    """e2m1 codes from float ops: each decodes (by the byte table) to the rounding of ``|y|`` on the grid, nearest
+    (ties to even, the brute-force grid) or stochastic (the bit-pattern reference), with ``y``'s sign bit, -0.0's
+    included (code 8)."""
+    from macroarch.mvas.codecs.codes import _round_e2m1, e2m1_byte_table, noise_bits
+
+    a = _patterns(1 << 22, 6.0)
+    y = torch.cat([a, -a])
+    table = e2m1_byte_table(torch.device("cpu"))[:16, 0]  # code c (low nibble of byte c) -> its value
+    nearest = _round_e2m1(y, None).long()
+    assert torch.equal(table[nearest].abs(), _brute_force_e2m1(y.abs()))
+    noise = torch.randint(0, 1 << noise_bits("fp4_e2m1"), y.shape, generator=torch.Generator().manual_seed(1),
+                          dtype=torch.int32)
+    stochastic = _round_e2m1(y, noise).long()
+    assert torch.equal(table[stochastic].abs(), _stochastic_by_bits(y.abs(), 1, 0, noise))
+    for codes in (nearest, stochastic):
+        assert torch.equal(table[codes].signbit(), y.signbit())  # -0.0 -> code 8, -0.0
+
+
+def _brute_force_e2m1(a):
+    """The nearest grid value of each ``a`` in [0, 6], ties to the even code (the lower one's mantissa bit is 0)."""
+    d = (a[:, None] - E2M1[None, :]).abs()
+    best = d.min(dim=1, keepdim=True).values
+    candidates = d == best
+    index = torch.where(candidates.sum(1) > 1, (candidates * (torch.arange(8) % 2 == 0)).float().argmax(1),
+                        candidates.float().argmax(1))
+    return E2M1[index]
+
+
+def test_nibbles_packed_and_unpacked_by_whole_words_are_the_byte_layout():
+    """``_pack_words`` / ``_unpack_words`` (int64 lanes folding or spreading eight codes) against the stride-2
+    layout (low nibble first) they replace, for every byte value, and flat tensors of odd length."""
+    from macroarch.mvas.codecs.codes import _pack_nibbles, _pack_words, _unpack_words
+
+    codes = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    codes[0] = torch.arange(64) % 16
+    reference = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    assert torch.equal(_pack_words(codes).view(torch.uint8), reference)
+    assert torch.equal(_pack_words(codes.view(torch.int8)).view(torch.uint8), reference)
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2).view(2, 256)
+    unpacked = _unpack_words(every_byte.view(torch.int32)).view(torch.uint8)
+    assert torch.equal(unpacked[:, 0::2], every_byte & 0xF) and torch.equal(unpacked[:, 1::2], every_byte >> 4)
+    flat = codes.view(-1)[:37]  # odd: one zero nibble after the last code
+    padded = torch.cat([flat, flat.new_zeros(1)]).view(-1, 2)
+    assert torch.equal(_pack_nibbles(flat), padded[:, 0] | (padded[:, 1] << 4))
+
+
+def test_fp4_payloads_as_words_decode_and_encode_as_bytes():
+    """``decode`` of an fp4 payload given as int32 words, and ``encode(..., words=True)``, are the byte payload's."""
+    from macroarch.mvas.codecs.codes import decode, encode
+
+    x = _sample((16, 128))
+    payload, scales = encode(x, "fp4_e2m1", 32)
+    words, same_scales = encode(x, "fp4_e2m1", 32, words=True)
+    assert words.dtype == torch.int32 and torch.equal(words.view(torch.uint8), payload)
+    assert torch.equal(same_scales, scales)
+    values = decode(payload, scales, "fp4_e2m1", 32, x.numel())
+    assert torch.equal(decode(words, scales, "fp4_e2m1", 32, x.numel()).view(torch.int32), values.view(torch.int32))
