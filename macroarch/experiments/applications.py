@@ -21,11 +21,17 @@ Variants (``VARIANTS``), all computing in bf16:
   mode (compose's default ``atomic_steps=False``: no pre-step copies, as the post's DGR) stepping
   ``MVASAdamW`` (stochastic rounding, fp8 moments) group by group during backward;
 - ``checkpoint`` and ``checkpoint_mvas_dgr``: a reference the post does not mention, activation checkpointing of
-  every repeated block (and PointNet's two T-Nets), alone and with the stack.
+  every repeated block (and PointNet's two T-Nets), alone and with the stack (transformers' own switch for the
+  video models).
 
-"What fits" is ``macroarch.measure.fit.largest_fitting`` over fake-tensor measurements of one full step. The
-folding trunk is measured at a few depths and extrapolated to 48 blocks (``extrapolate_peak``, checked on a third
-depth; the notebook can also check it at full depth). The small models trained for real use the synthetic data
+The full-size bytes and "what fits" come from the planner (``macroarch.planner.plan``, :class:`Measurements`): one
+full training step of each variant under fake tensors, the variants as the planner's combinations (``plain``,
+``mvas+dgr``, ``checkpoint``, ``mvas+dgr+checkpoint``), the MVAS plan carried over by role
+(``macroarch.planner.roles``), the largest crop, batch or clip by its search (``largest_fitting``), every step
+shared through one ``StepCache``. The folding trunk and the video models are measured at a few depths and
+extrapolated to their full depth (each phase of the step on its own; the notebook checks a third depth, or the
+whole model). The search is checked against real steps stacked by this harness (:func:`boundary_check`). The
+small models trained for real use the synthetic data
 of ``macroarch.data.applications``, over paired seeds (:func:`train_seeds`: per seed, both variants share the
 initial weights, the batch order and the held-out batches); the graded quality is the held-out loss change taken
 per seed with a t interval over the seeds (:class:`PairedSeeds`), and :func:`quality_repeated` keeps the per-seed
@@ -44,13 +50,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
@@ -61,11 +67,12 @@ from macroarch.config import DGRConfig, MacroConfig, OptimConfig
 from macroarch.data.applications import SHAPES, ensure_dataset, load_dataset
 from macroarch.experiments.loop import TrainLog, mvas_kernels
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
-from macroarch.measure.fit import Fit, MeasureCache, extrapolate_peak, fake_module, largest_fitting, measure_training
+from macroarch.layers import find_repeated_layers
+from macroarch.measure.fit import Fit, measure_training
 from macroarch.measure.memory import STATE_CATEGORIES, StepMemory
 from macroarch.measure.stats import Estimate, Repeated, as_estimate, exact, is_estimate_dict, mean_interval
-from macroarch.layers import find_repeated_layers
 from macroarch.optim import MasterWeightAdamW
+from macroarch.planner.run import CATEGORY_NAMES
 
 MODELS = ("esmfold_trunk", "pointnet", "timesformer", "videomae")
 VARIANTS = ("baseline", "mvas_dgr", "checkpoint", "checkpoint_mvas_dgr")
@@ -119,12 +126,12 @@ def build_model(name: str, dims: Mapping[str, Any], dtype: torch.dtype = torch.b
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            return _build(name, dims, shapes_only=torch.device(device or "cpu").type == "meta").train()
+            return _build(name, dims).train()
     finally:
         torch.set_default_dtype(previous)
 
 
-def _build(name: str, d: Mapping[str, Any], shapes_only: bool = False) -> nn.Module:
+def _build(name: str, d: Mapping[str, Any]) -> nn.Module:
     if name == "esmfold_trunk":
         from macroarch.models.folding import FoldingStack, trunk_config
 
@@ -136,12 +143,16 @@ def _build(name: str, d: Mapping[str, Any], shapes_only: bool = False) -> nn.Mod
         from macroarch.models.pointnet import PointNet
 
         return PointNet(num_classes=d["classes"])
-    from transformers import (
-        TimesformerConfig,
-        TimesformerForVideoClassification,
-        VideoMAEConfig,
-        VideoMAEForVideoClassification,
-    )
+    from transformers import TimesformerForVideoClassification, VideoMAEForVideoClassification
+
+    cls = TimesformerForVideoClassification if name == "timesformer" else VideoMAEForVideoClassification
+    return cls(video_config(name, d))
+
+
+def video_config(name: str, d: Mapping[str, Any]) -> Any:
+    """The transformers config of a video model at ``dims`` (base size, or a small run's width with 8-pixel
+    patches); VideoMAE with transformers' default SDPA attention, TimeSformer with its own (it has no SDPA)."""
+    from transformers import TimesformerConfig, VideoMAEConfig
 
     common = {"num_frames": d["frames"], "num_hidden_layers": d["layers"], "num_labels": d["classes"],
               "image_size": d["image"]}
@@ -149,15 +160,8 @@ def _build(name: str, d: Mapping[str, Any], shapes_only: bool = False) -> nn.Mod
         common.update(hidden_size=d["width"], num_attention_heads=max(1, d["width"] // 32),
                       intermediate_size=4 * d["width"], patch_size=8)
     if name == "timesformer":
-        return TimesformerForVideoClassification(TimesformerConfig(**common))
-    table = contextlib.nullcontext()
-    if shapes_only:  # VideoMAE fills its sinusoidal table in a Python loop (a minute at 1000 frames): shapes suffice
-        from transformers.models.videomae import modeling_videomae
-
-        table = mock.patch.object(modeling_videomae, "get_sinusoid_encoding_table",
-                                  lambda n, dim: torch.zeros(1, n, dim, dtype=torch.float32, device="meta"))
-    with table:
-        return VideoMAEForVideoClassification(VideoMAEConfig(**common, attn_implementation="sdpa"))
+        return TimesformerConfig(**common)
+    return VideoMAEConfig(**common, attn_implementation="sdpa")
 
 
 def random_batch(name: str, dims: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -222,122 +226,165 @@ def setup(name: str, variant: str, model: nn.Module, example: Mapping[str, torch
 
 # ------------------------------------------------------------------------------------------------ memory
 
-def full_dims(name: str, size: int, *, layers: int | None = None, video_batch: int = 1,
-              base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The published dims (or ``base``) with the searched dimension at ``size`` (and ``layers`` blocks)."""
+#: each variant as the planner's combination of techniques (``macroarch.planner.plan``)
+COMBINATIONS = {"baseline": "plain", "mvas_dgr": "mvas+dgr", "checkpoint": "checkpoint",
+                "checkpoint_mvas_dgr": "mvas+dgr+checkpoint"}
+#: what each application's fit search varies, in the planner's terms
+_SEARCH = {"crop": "seq", "batch": "batch", "frames": "frames"}
+
+
+def planner_model(name: str, base: Mapping[str, Any]) -> Any:
+    """``name`` at ``base`` (the published dims, or a small run's) as a ``macroarch.planner`` model, nothing built:
+    the folding trunk as ``custom`` (``seq``: residues per crop, searched in steps of 32, one protein per step, 48
+    blocks of depth), PointNet as the planner's own (``seq``: points per cloud; its T-Nets recomputed with the
+    blocks under ``checkpoint``), the video models from their transformers configs (clips searched in steps of 8
+    frames)."""
+    from macroarch.planner import custom
+    from macroarch.planner.models import from_transformers_config, pointnet
+
     app = get_app(name)
-    dims = dict(app.full if base is None else base, **{app.searched: size})
-    if layers is not None:
-        dims["layers"] = layers
-    if app.searched == "frames":
-        dims["batch"] = video_batch
-    return dims
+    if name == "esmfold_trunk":
+        def build(layers: int | None, crop: int | None, frames: int | None) -> nn.Module:
+            return _build(name, {**base, "layers": base["layers"] if layers is None else layers})
 
+        def make_batch(batch: int, crop: int, frames: int | None) -> dict[str, torch.Tensor]:
+            return random_batch(name, {"batch": batch, "crop": crop})
 
-def measure_variant(name: str, variant: str, dims: Mapping[str, Any], *, plan: mvas.PrecisionPlan | None = None,
-                    group_size: int = 1, fake: bool = True) -> StepMemory:
-    """Peak bytes of one training step of ``variant`` at ``dims``, under fake tensors (or, with ``fake=False``, real
-    ones: the same bytes on CPU kernels, for small sizes); ``plan`` is carried over to the model by role."""
-    # built outside FakeTensorMode: some __init__s read values
-    meta = build_model(name, dims, device="meta") if fake else None
-
-    def build():
-        torch.manual_seed(0)
-        model = fake_module(meta) if fake else build_model(name, dims)
-        batch = random_batch(name, dims)
-        moved = mvas.transfer_plan(plan, model, depth="uniform") if variant.endswith("mvas_dgr") else None
-        runner, optimizer = setup(name, variant, model, batch, plan=moved, group_size=group_size)
-        return model, runner, optimizer, batch
-
-    return measure_training(build, loss_of, fake=fake)
+        return custom(name, build, make_batch, loss_of, layers=base["layers"], seq_name="residues",
+                      seq_multiple=app.multiple, family="ESMFold folding trunk")
+    if name == "pointnet":
+        return pointnet(num_classes=base["classes"])
+    config = video_config(name, {**base, "frames": base.get("frames", app.multiple)})
+    return dataclasses.replace(from_transformers_config(name, config), frames_multiple=app.multiple)
 
 
 class Measurements:
-    """Fake-tensor measurements of one model at its published size, one ``MeasureCache`` per variant, so the
-    size table, the fit searches and the plots share them.
+    """Fake-tensor steps of one model at its published size (or ``base``), by the planner
+    (``macroarch.planner.plan``, one ``StepCache`` for all), so the size table, the depth check and the fit
+    searches share every step measured.
 
     Args:
         name: a model of ``MODELS``.
-        plan: the MVAS plan (of the small model; carried over by role) for the MVAS variants.
+        plan: the MVAS plan (of the small model; carried over by role, ``macroarch.planner.roles``) for the MVAS
+            variants.
         group_size: DGR's blocks per group.
-        depths: measure at these depths and extrapolate to the published one (``extrapolate_peak``); None
-            measures the whole model.
+        depths: measure at these depths and extrapolate to the published one (the planner's ``depths``; with two,
+            not checked: ``check_depth`` checks one more); None measures the whole model.
         video_batch: clips per step of the video models.
         base: dims to measure at instead of the published ones (the ci profile's toy sizes, same code path).
-        fake: measure under fake tensors (else real ones: identical bytes, faster at toy sizes).
+        fake: fake tensors (else real ones: toy sizes, where a real step is the faster one; the same bytes).
         max_size: the fit searches stop at this size (a fit there is reported as capped).
-        compile_mvas: real-tensor measurements with MVAS's kernels compiled (True) or eager (False: the
-            temporaries of the eager kernels, as under fake tensors, which always run them eagerly); None leaves
-            ``macroarch.mvas.COMPILE_ENV`` as it is.
     """
 
     def __init__(self, name: str, *, plan: mvas.PrecisionPlan | None, group_size: int = 1,
                  depths: Sequence[int] | None = None, video_batch: int = 1,
-                 base: Mapping[str, Any] | None = None, fake: bool = True, max_size: int = 1 << 16,
-                 compile_mvas: bool | None = None) -> None:
+                 base: Mapping[str, Any] | None = None, fake: bool = True, max_size: int = 1 << 16) -> None:
+        from macroarch.planner.run import StepCache
+
         self.app = get_app(name)
         self.base = dict(self.app.full if base is None else base)
         if depths is not None and (len(depths) < 2 or min(depths) < 2):
             raise ValueError(f"depths={list(depths)}: give two or more depths of at least 2 blocks (DGR's groups "
                              "need a repeated container)")
-        self.name, self.plan, self.group_size, self.video_batch, self.fake = name, plan, group_size, video_batch, fake
-        self.max_size, self.compile_mvas = max_size, compile_mvas
+        self.name, self.plan, self.group_size, self.video_batch = name, plan, group_size, video_batch
+        self.fake, self.max_size = fake, max_size
         self.depths = sorted(depths) if depths else None
-        self.caches = {v: MeasureCache(functools.partial(self._measure, v)) for v in VARIANTS}
-        self._by_depth: dict[tuple[str, int, int | None], StepMemory] = {}
-        self.seconds = 0.0  # wall time of every measurement made
+        self.model = planner_model(name, self.base)
+        self.cache = StepCache()
+        self.reference: int | None = None  # the first size measured: where the fit searches' plans are made
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of every step measured."""
+        return self.cache.seconds
 
     @functools.cached_property
     def n_params(self) -> int:
         """Parameters of the measured model (at the smallest searched size, for the video models' time embedding)."""
-        dims = full_dims(self.name, self.app.multiple, video_batch=self.video_batch, base=self.base)
-        return sum(p.numel() for p in build_model(self.name, dims, device="meta").parameters())
+        model = self.model if self.model.frames is None else dataclasses.replace(self.model, frames=self.app.multiple)
+        return sum(p.numel() for p in model.build(None, torch.bfloat16, self._sizes(self.app.multiple)[1]).parameters())
 
-    def _at_depth(self, variant: str, size: int, layers: int | None) -> StepMemory:
-        key = (variant, size, layers)
-        if key not in self._by_depth:
-            dims = full_dims(self.name, size, layers=layers, video_batch=self.video_batch, base=self.base)
-            started = time.perf_counter()
-            compiled = self.compile_mvas
-            with contextlib.nullcontext() if compiled is None else mvas_kernels(compiled=compiled):
-                self._by_depth[key] = measure_variant(self.name, variant, dims, plan=self.plan,
-                                                      group_size=self.group_size, fake=self.fake)
-            self.seconds += time.perf_counter() - started
-        return self._by_depth[key]
+    def _sizes(self, size: int) -> tuple[int, int | None, int | None]:
+        """``(batch, seq, frames)`` of a step at ``size`` of the searched dimension."""
+        if self.app.searched == "crop":
+            return self.base.get("batch", 1), size, None
+        if self.app.searched == "batch":
+            return size, self.base["points"], None
+        return self.video_batch, self.base["image"], size
 
-    def _measure(self, variant: str, size: int) -> StepMemory:
-        if self.depths is None:
-            return self._at_depth(variant, size, None)
-        return extrapolate_peak({d: self._at_depth(variant, size, d) for d in self.depths}, self.base["layers"])
+    def _plan(self, variants: Sequence[str], size: int, depths: tuple[int, ...] | None = None, **kwargs: Any) -> Any:
+        from macroarch.planner import plan
+        from macroarch.planner.roles import rules_from_plan
+
+        for v in variants:
+            _check_variant(v)
+        policy = None
+        if any(v.endswith("mvas_dgr") for v in variants):
+            if self.plan is None:
+                raise ValueError("the MVAS variants need an MVAS plan")
+            policy = {"mvas": {"precision_policy": rules_from_plan(self.plan)}}
+        batch, seq, frames = self._sizes(size)
+        depths = tuple(self.depths or ()) if depths is None else depths
+        self.reference = size if self.reference is None else self.reference
+        return plan(self.model, batch, seq, frames=frames, combinations=[COMBINATIONS[v] for v in variants],
+                    policy=policy, group_size=self.group_size, depths=depths, cache=self.cache,
+                    search=_SEARCH[self.app.searched], max_size=self.max_size, fake=self.fake, **kwargs)
+
+    @staticmethod
+    def _step(c: Any) -> StepMemory:
+        """A planned combination as measured (no GPU-kernel correction applies to these families)."""
+        if c.error is not None or c.measured is None:
+            raise RuntimeError(f"the planner could not measure {c.name}: {c.error or c.how}")
+        b = c.measured
+        return StepMemory(b.peak, dict(b.at_peak), {k: b.categories[v] for k, v in CATEGORY_NAMES.items()}, 0.0)
 
     def __call__(self, variant: str, size: int) -> StepMemory:
-        _check_variant(variant)
-        return self.caches[variant](size)
+        return self._step(self._plan([variant], size).combination(COMBINATIONS[variant]))
 
     def check_depth(self, variant: str, size: int, depth: int) -> StepMemory:
-        """Measure at ``depth`` blocks and compare with the extrapolation from ``depths`` (ValueError if the
-        bytes differ); ``depth`` = the published depth checks the extrapolation against the whole model."""
+        """The step at ``size`` extrapolated from ``depths`` and checked at ``depth`` blocks to the byte (the
+        published depth: the whole model); ValueError if the bytes there are not on the line."""
         if self.depths is None:
             raise ValueError("this model is measured whole: there is no extrapolation to check")
-        reports = {d: self._at_depth(variant, size, d) for d in self.depths}
-        measured = self._at_depth(variant, size, depth)
-        extrapolate_peak({**reports, depth: measured}, depth)  # raises if the bytes are not affine in depth
-        return measured
+        asked = tuple(sorted({*self.depths, depth}))
+        c = self._plan([variant], size, depths=asked).combination(COMBINATIONS[variant])
+        if c.depths != asked:
+            raise ValueError(f"{self.name} {variant}: the bytes at {depth} blocks are not on the line through "
+                             f"{self.depths} ({c.how})")
+        return self._step(c)
 
     def table(self, sizes: Sequence[int], variants: Sequence[str] = VARIANTS) -> SizeTable:
         """The step of every variant at every size, by category."""
-        return SizeTable(self.name, {v: {n: self(v, n) for n in sizes} for v in variants})
+        reports: dict[str, dict[int, StepMemory]] = {v: {} for v in variants}
+        for n in sizes:
+            planned = self._plan(variants, n)
+            for v in variants:
+                reports[v][n] = self._step(planned.combination(COMBINATIONS[v]))
+        return SizeTable(self.name, reports)
 
     def fits(self, budgets_gb: Sequence[float], variants: Sequence[str] = VARIANTS) -> FitTable:
-        """The largest size of every variant at every budget (``largest_fitting``, from ``2 * multiple`` up to
-        ``max_size``)."""
-        start = 2 * self.app.multiple  # PointNet's BatchNorm needs two clouds; a clip or crop of one step is moot
-        fits = {}
-        for v in tqdm(variants, desc=f"{self.name}: what fits", mininterval=10):
-            _check_variant(v)
-            fits[v] = {b: largest_fitting(self.caches[v], b * GB, start=start, multiple=self.app.multiple,
-                                          max_size=self.max_size, unit=self.app.unit) for b in budgets_gb}
-        return FitTable(self.name, fits, {v: self.caches[v].peaks() for v in variants})
+        """The largest size of every variant at every budget (the planner's search, from the smallest size of the
+        grid up to ``max_size``; later budgets start from what earlier ones measured)."""
+        fits: dict[str, dict[float, Fit]] = {v: {} for v in variants}
+        size = self.reference or 2 * self.app.multiple
+        for b in tqdm(budgets_gb, desc=f"{self.name}: what fits", mininterval=10):
+            planned = self._plan(variants, size, budget_gb=b)
+            for v in variants:
+                c = planned.combination(COMBINATIONS[v])
+                if c.largest is None:
+                    raise ValueError(f"{self.name} {v}: {next(n for n in c.notes if n.startswith('largest'))}")
+                fits[v][b] = _fit(c, b)
+        curves = {v: planned.combination(COMBINATIONS[v]).searched for v in variants}
+        return FitTable(self.name, fits, curves)
+
+
+def _fit(c: Any, budget_gb: float) -> Fit:
+    """A planned combination's largest size as a ``Fit`` (with its peak and the next size's, from the search)."""
+    above = [n for n in c.searched if n > c.largest]
+    nxt = min(above) if above and not c.largest_capped else None
+    return Fit(size=c.largest, peak_bytes=c.searched[c.largest], next_size=c.largest if nxt is None else nxt,
+               next_peak_bytes=None if nxt is None else c.searched[nxt], budget_bytes=round(budget_gb * GB),
+               measurements=len(c.searched))
 
 
 @dataclass
@@ -433,19 +480,35 @@ class BoundaryCheck:
         return "\n".join(lines)
 
 
+def real_step(name: str, variant: str, dims: Mapping[str, Any], *, plan: mvas.PrecisionPlan | None = None,
+              group_size: int = 1) -> StepMemory:
+    """Peak bytes, by category, of one real training step of ``variant`` at ``dims`` (CPU kernels), stacked by this
+    harness (:func:`setup`, as the small runs train), independently of the planner: the arbiter of
+    :func:`boundary_check`. ``plan`` is carried over to the model by role."""
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model = build_model(name, dims)
+        batch = random_batch(name, dims)
+        moved = mvas.transfer_plan(plan, model, depth="uniform") if variant.endswith("mvas_dgr") else None
+        runner, optimizer = setup(name, variant, model, batch, plan=moved, group_size=group_size)
+        return model, runner, optimizer, batch
+
+    return measure_training(build, loss_of, fake=False)
+
+
 def boundary_check(budget_mb: float, points: int, variants: Sequence[str] = VARIANTS, *,
                    plan: mvas.PrecisionPlan | None = None, group_size: int = 1) -> BoundaryCheck:
-    """The fit search against real tensors on a small PointNet (``points`` per cloud, 8 classes): the largest
-    batch found on fake tensors, then a real step at it and at one more."""
+    """The planner's fit search against real tensors on a small PointNet (``points`` per cloud, 8 classes): the
+    largest batch the planner finds on fake tensors, then a real step (:func:`real_step`) at it and at one more."""
     dims = {"points": points, "classes": len(SHAPES)}
+    meas = Measurements("pointnet", plan=plan, group_size=group_size, base=dims)
+    fits = meas.fits([budget_mb / 1e3], variants)
     rows = {}
     for variant in variants:
-        def at(batch: int, fake: bool, variant=variant) -> StepMemory:
-            return measure_variant("pointnet", variant, dict(dims, batch=batch), plan=plan, group_size=group_size,
-                                   fake=fake)
-
-        fit = largest_fitting(lambda b, at=at: at(b, True), budget_mb * 1e6, start=2, unit="cloud")
-        rows[variant] = (fit.size, at(fit.size, False).peak_bytes, at(fit.size + 1, False).peak_bytes)
+        b = fits.size(variant, budget_mb / 1e3)
+        at, above = (real_step("pointnet", variant, dict(dims, batch=n), plan=plan, group_size=group_size).peak_bytes
+                     for n in (b, b + 1))
+        rows[variant] = (b, at, above)
     return BoundaryCheck(int(budget_mb * 1e6), rows)
 
 
@@ -1226,8 +1289,9 @@ def train_all(settings: ApplicationsSettings) -> dict[str, PairedSeeds]:
 
 
 def measurements(name: str, settings: ApplicationsSettings, plan: mvas.PrecisionPlan) -> Measurements:
-    """The fake-tensor measurements of ``name`` as the notebook's settings set them up: published sizes (or,
-    with ``published`` false, the small run's sizes), depths to extrapolate from, DGR group size, clips per step."""
+    """The planner's measurements of ``name`` as the notebook's settings set them up: published sizes under fake
+    tensors (or, with ``published`` false, the small run's sizes on real ones), depths to extrapolate from, DGR group
+    size, clips per step."""
     s, app = settings, get_app(name)
     base = None
     if not s.published:

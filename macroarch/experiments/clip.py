@@ -10,18 +10,20 @@ block-quantised fp8 moments and no master copy; DGR steps groups of 6 blocks dur
 1. **The config** (:func:`plan_table`, :func:`malformed_cases`): which tensor gets which format, and what a
    malformed config does (an error naming the key; the model untouched and still trainable).
 2. **Exact memory at full size** (:func:`memory_sweep`): real open_clip architectures built from the configs
-   shipped with open_clip (``pretrained=None``: nothing downloaded) under ``FakeTensorMode``; one steady-state
-   contrastive step (forward, symmetric InfoNCE loss, backward, optimizer step) measured by category with
-   ``measure.memory.measure_step``, batch sizes swept; for each baseline the batch at which it holds
-   ``target_gb`` (secant search on measured peaks), where the post's config is measured too. Baselines: ``fp32``
-   (fp32 weights, ``torch.optim.AdamW``) and ``bf16_mixed`` (bf16 weights and compute, ``MasterWeightAdamW``
-   with fp32 master and moments: standard mixed precision, graded). The post's config computes in bf16.
+   shipped with open_clip (``pretrained=None``: nothing downloaded), sized by the planner (``macroarch.planner``):
+   one steady-state contrastive step (forward, symmetric InfoNCE loss, backward, optimizer step) under
+   ``FakeTensorMode``, by category, batch sizes swept; for each baseline the largest batch whose step fits
+   ``target_gb`` (the planner's search), where the post's config (``mvas+dgr`` with the config's policy and groups)
+   is measured too. Baselines: ``fp32`` (fp32 weights, ``torch.optim.AdamW``) and ``bf16_mixed`` (bf16 weights
+   and compute, ``MasterWeightAdamW`` with fp32 master and moments: standard mixed precision, graded). The post's
+   config computes in bf16.
 3. **A small CLIP trained for real** (:func:`train_small`): a tiny ViT + small text transformer (open_clip's
    ``CLIP``) on rendered shapes (``macroarch.data.shapes``), baseline vs the post's config from the same
    weights on the same batches, in lock step (``experiments.loop.train_round_robin``), for several paired seeds
    (each seed: one initialisation and one batch order for both; the held-out split is the same for every seed):
    image->text and text->image recall@1/@5 on held-out attribute combinations, contrastive loss, step time,
-   and peak memory of one step measured on real tensors (equal, byte for byte, to the fake-tensor measurement).
+   and peak memory of one step measured on real tensors, stacked by this harness (equal, byte for byte, to the
+   planner's fake-tensor measurement).
    The graded quality gap is the held-out recall@1 lost (baseline - post's config), taken per seed, with a t
    interval over the seeds (``measure.stats.paired_difference``); :meth:`SmallTraining.repeated` keeps the per-seed
    pairs so that the notebook regrades with each seed left out.
@@ -36,7 +38,6 @@ the attention's bookkeeping.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -58,8 +59,7 @@ from macroarch.data.shapes import ShapesData, ensure_shapes, load_shapes, shuffl
 from macroarch.experiments.loop import TrainLog, train_round_robin
 from macroarch.experiments.settings import COMPUTE_DTYPES, Settings
 from macroarch.measure.machine import describe, machine_info, torch_dtype
-from macroarch.measure.memory import CATEGORIES, StepMemory, measure_step
-from macroarch.measure.memory.measured import create_optimizer_state
+from macroarch.measure.memory import CATEGORIES, StepMemory
 from macroarch.measure.stats import Estimate, Repeated, exact, paired_difference
 from macroarch.optim import MasterWeightAdamW
 from macroarch.paths import project_root
@@ -310,40 +310,14 @@ def check_malformed(cases: Mapping[str, Mapping], build: Callable[[], tuple[torc
 
 
 # ------------------------------------------------------------------------------------------ memory
-class StepMeter:
-    """One model of ``cfg`` with the ``variant``'s stack, on real tensors or under ``FakeTensorMode``; calling it
-    with a batch size measures the live bytes by category of one steady-state contrastive step (forward, symmetric
-    loss, backward, optimizer step; the optimizer's state exists before it) on fresh random inputs of that size,
-    with ``measure.memory.measure_step``. The same code for real and fake tensors."""
+def step_memory(c: Any) -> StepMemory:
+    """A planned combination as measured, as a ``StepMemory`` (the categories at the peak, each one's maximum)."""
+    from macroarch.planner.run import CATEGORY_NAMES
 
-    def __init__(self, cfg: Mapping[str, Any], variant: str, config: MacroConfig, *, fake: bool,
-                 compute_dtype: str = "bfloat16", device: str = "cpu", seed: int = 0) -> None:
-        from macroarch._compat.fake import fake_tensor_mode
-
-        self.cfg, self.variant, self.device = cfg, variant, device
-        self.dtype = variant_dtype(variant, compute_dtype)
-        self.mode = fake_tensor_mode() if fake else contextlib.nullcontext()
-        with self.mode:
-            torch.manual_seed(seed)
-            self.model = build_clip(cfg, self.dtype, device)
-            self.stack = make_stack(self.model, variant, config, self.inputs(2), seed=seed, compute_dtype=self.dtype)
-            create_optimizer_state(self.stack.optimizer, [p for p in self.model.parameters() if p.requires_grad])
-
-    def inputs(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        size, text = self.cfg["vision_cfg"]["image_size"], self.cfg["text_cfg"]
-        return (torch.randn(batch_size, 3, size, size, dtype=self.dtype, device=self.device),
-                torch.randint(1, text["vocab_size"], (batch_size, text["context_length"]), device=self.device))
-
-    def __call__(self, batch_size: int) -> StepMemory:
-        with self.mode:
-            images, tokens = self.inputs(batch_size)
-
-            def step() -> None:
-                contrastive_loss(self.stack.model, images, tokens).backward()
-                self.stack.optimizer.step()
-                self.stack.optimizer.zero_grad(set_to_none=True)
-
-            return measure_step(step, self.model, self.stack.optimizer, images, tokens)
+    if c.error is not None or c.measured is None:
+        raise RuntimeError(f"the planner could not measure {c.name}: {c.error or c.how}")
+    b = c.measured
+    return StepMemory(b.peak, dict(b.at_peak), {k: b.categories[v] for k, v in CATEGORY_NAMES.items()}, 0.0)
 
 
 @dataclass
@@ -356,6 +330,8 @@ class MemorySweep:
     points: dict[tuple[str, str, int], StepMemory] = field(default_factory=dict)
     at_target: dict[tuple[str, str], int] = field(default_factory=dict)
     n_params: dict[str, int] = field(default_factory=dict)
+    how: dict[tuple[str, str], str] = field(default_factory=dict)
+    """Per model and variant: how the planner measured its steps (fake tensors, the depths)."""
 
     @property
     def models(self) -> list[str]:
@@ -404,64 +380,58 @@ class MemorySweep:
                                      *(f"{mem.by_category[c] / GB:.2f}" for c in CATEGORIES),
                                      f"{mem.max_by_category['gradients'] / GB:.2f}",
                                      "" if v == "post" else f"{-self.reduction(m, v, b):+.1%}"])
-        return (format_table(rows) + f"\n* the baseline at {self.target_bytes / GB:g} GB. GB at the step's peak, by "
-                f"category (they sum to it); 'max grads': the gradients' own maximum over the step (DGR frees them "
-                f"group by group); 'post vs it': the post's config against that baseline at that batch")
+        how = "".join(f"\n{m}, {VARIANTS[v]}: {h}" for (m, v), h in self.how.items())
+        return (format_table(rows) + f"\n* the baseline at {self.target_bytes / GB:g} GB (the largest batch whose "
+                f"step fits it, the planner's search). GB at the step's peak, by category (they sum to it); 'max "
+                f"grads': the gradients' own maximum over the step (DGR frees them group by group); 'post vs it': the "
+                f"post's config against that baseline at that batch" + how)
 
 
-def find_batch_at(measure: Callable[[int], int], start: Mapping[int, int], target: float, max_tries: int = 24) -> int:
-    """The largest batch whose peak is at most ``target``. From the ``start`` measurements (two or more): secant
-    steps (extrapolation, then interpolation inside the bracket, every other step a bisection so that a curved
-    peak converges too) until a batch ``b`` fits and either ``b + 1`` is measured not to or the slope between the
-    bracketing measurements says one more sample would cross ``target``. ``measure(b)`` gives ``peak(b)``."""
-    points = dict(start)
-    if len(points) < 2:
-        raise ValueError("find_batch_at needs peaks at two batch sizes to start from")
-    for attempt in range(max_tries):
-        fits = [b for b, p in points.items() if p <= target]
-        over = [b for b, p in points.items() if p > target]
-        if not fits:
-            raise ValueError(f"the smallest batch measured, {min(points)}, needs more than {target / GB:g} GB")
-        lo = max(fits)
-        hi = min((b for b in over if b > lo), default=None)
-        if hi is None:
-            b1, b2 = sorted(points)[-2:]
-            slope = (points[b2] - points[b1]) / (b2 - b1)
-        else:
-            slope = (points[hi] - points[lo]) / (hi - lo)
-        if slope <= 0:
-            raise ValueError(f"peak bytes do not grow with the batch: {sorted(points.items())}")
-        if hi == lo + 1 or points[lo] + slope > target:
-            return lo
-        b = lo + math.floor((target - points[lo]) / slope)
-        if hi is not None and (attempt % 2 or not lo < b < hi):
-            b = (lo + hi) // 2
-        points[b] = measure(b)
-    raise RuntimeError(f"no batch found at {target / GB:g} GB after {max_tries} tries: {sorted(points.items())}")
+def planner_model(name: str, cfg: Mapping[str, Any]) -> Any:
+    """An open_clip architecture's config as a ``macroarch.planner`` model (nothing built): one contrastive step
+    (``open_clip.ClipLoss``) on images of its own side and full-length captions."""
+    from macroarch.planner.models import from_open_clip
+
+    return from_open_clip(name, cfg)
 
 
 def _sweep_model(sweep: MemorySweep, name: str, cfg: Mapping[str, Any], batches: Sequence[int],
                  config: MacroConfig, device: str) -> None:
-    meters = {v: StepMeter(cfg, v, config, fake=True, device=device) for v in (*sweep.baselines, "post")}
+    from macroarch.planner import plan
+    from macroarch.planner.run import StepCache
 
-    def measure(variant: str, b: int) -> int:
-        if (name, variant, b) not in sweep.points:
-            sweep.points[name, variant, b] = meters[variant](b)
-        return sweep.points[name, variant, b].peak_bytes
+    model, cache = planner_model(name, cfg), StepCache()
+
+    def measure(variant: str, batch: int, **kwargs: Any) -> Any:
+        """The step of ``variant`` at ``batch`` by the planner (the post's config: MVAS + DGR in bf16)."""
+        post = variant == "post"
+        planned = plan(model, batch, dtype="bf16_mixed" if post else variant, device=device, cache=cache,
+                       policy=config if post else None, combinations=["mvas+dgr" if post else "plain"], **kwargs)
+        c = planned.combination("mvas+dgr" if post else "plain")
+        sweep.points[name, variant, batch] = step_memory(c)
+        sweep.n_params[name] = planned.model["parameters"]
+        sweep.how.setdefault((name, variant), c.how)
+        return c
 
     for base in sweep.baselines:
-        start = {b: measure(base, b) for b in batches}
-        sweep.at_target[name, base] = find_batch_at(lambda b, base=base: measure(base, b), start, sweep.target_bytes)
+        for b in batches:
+            measure(base, b)
+        c = measure(base, batches[0], budget_gb=sweep.target_bytes / GB)
+        if c.largest is None:
+            raise ValueError(f"{name}, {base}: {next(n for n in c.notes if n.startswith('largest'))}")
+        sweep.at_target[name, base] = c.largest
+        measure(base, c.largest)
     for b in sorted({*batches, *(sweep.at_target[name, base] for base in sweep.baselines)}):
         measure("post", b)
-    sweep.n_params[name] = sum(p.numel() for p in meters[sweep.baselines[0]].model.parameters())
 
 
 def memory_sweep(models: Sequence[str], batches: Sequence[int], config: MacroConfig, *,
                  baselines: Sequence[str] = ("bf16_mixed", "fp32"), target_gb: float = POST_BASELINE_GB,
                  device: str = "cpu", small: Mapping[str, Any] | None = None) -> MemorySweep:
-    """Every model at every batch of ``batches`` under each baseline and the post's config (fake tensors, bf16
-    compute for all but ``fp32``), each baseline's batch at ``target_gb`` (:func:`find_batch_at`), and the post's
+    """Every model at every batch of ``batches`` under each baseline and the post's config, by the planner
+    (``macroarch.planner.plan``: fake tensors, bf16 compute for all but ``fp32``, the shallow depths extrapolated
+    where cheaper than the whole model, a third depth checking them to the byte), each baseline's batch at
+    ``target_gb`` (the largest that fits, the planner's search, starting from the batches measured), and the post's
     config at those batches. ``models`` are open_clip architecture names, or ``"small"`` for the config ``small``."""
     sweep = MemorySweep(target_gb * GB, tuple(baselines))
     for name in tqdm(models, desc="memory, fake tensors", mininterval=5):
@@ -710,24 +680,62 @@ def train_small(data: ShapesData, cfg: Mapping[str, Any], config: MacroConfig, s
     return result
 
 
+def real_step(cfg: Mapping[str, Any], variant: str, config: MacroConfig, batch_size: int, compute_dtype: str,
+              device: str = "cpu", seed: int = 0) -> StepMemory:
+    """One steady-state contrastive step of ``variant`` on a model of ``cfg``, real tensors, stacked by this harness
+    (:func:`make_stack`, as the small CLIP trains), measured by ``macroarch.measure.fit.measure_training`` (the
+    planner's measurement) as a ``StepMemory``: the arbiter of the planner's fake-tensor bytes."""
+    from macroarch.measure.fit import measure_training
+
+    dtype = variant_dtype(variant, compute_dtype)
+
+    def build() -> tuple:
+        torch.manual_seed(seed)
+        model = build_clip(cfg, dtype, device)
+        size, text = cfg["vision_cfg"]["image_size"], cfg["text_cfg"]
+        batch = {"image": torch.randn(batch_size, 3, size, size, dtype=dtype, device=device),
+                 "text": torch.randint(1, text["vocab_size"], (batch_size, text["context_length"]), device=device)}
+        stack = make_stack(model, variant, config, (batch["image"][:2], batch["text"][:2]), seed=seed,
+                           compute_dtype=dtype)
+        return model, stack.model, stack.optimizer, batch
+
+    step = measure_training(build, lambda runner, batch: contrastive_loss(runner, batch["image"], batch["text"]),
+                            fake=False)
+    return StepMemory(step.peak_bytes, dict(step.by_category), dict(step.max_by_category), step.seconds)
+
+
 def small_memory(cfg: Mapping[str, Any], config: MacroConfig, batch_size: int, compute_dtype: str,
                  device: str = "cpu") -> dict[str, tuple[StepMemory, StepMemory]]:
-    """One step of the small CLIP per variant measured on real tensors and under fake tensors: (real, fake)."""
-    variants = (training_baseline(compute_dtype), "post")
-    return {v: tuple(StepMeter(cfg, v, config, fake=fake, compute_dtype=compute_dtype, device=device)(batch_size)
-                     for fake in (False, True)) for v in variants}
+    """One step of the small CLIP per variant on real tensors (:func:`real_step`) and by the planner under fake
+    tensors: ``(real, fake)``."""
+    from macroarch.planner import plan
+
+    out = {}
+    for v in (training_baseline(compute_dtype), "post"):
+        combo = "mvas+dgr" if v == "post" else "plain"
+        fake = plan(planner_model("small", cfg), batch_size, dtype="bf16_mixed" if v == "post" else v,
+                    policy=config if v == "post" else None, combinations=[combo]).combination(combo)
+        out[v] = (real_step(cfg, v, config, batch_size, compute_dtype, device), step_memory(fake))
+    return out
 
 
 def memory_table(pairs: Mapping[str, tuple[StepMemory, StepMemory]]) -> str:
-    """Real vs fake bytes by category (at the peak and each category's maximum); raises if any differs."""
+    """Real vs fake bytes by category (at the peak) and each state and activation category's maximum; raises if any
+    differs."""
     rows = [["variant", "tensors", "peak", *CATEGORIES]]
     for v, (real, fake) in pairs.items():
         for what, m in (("real", real), ("fake", fake)):
             rows.append([VARIANTS[v], what, m.peak_bytes, *(m.by_category[c] for c in CATEGORIES)])
-        if (real.peak_bytes, real.by_category, real.max_by_category) != (fake.peak_bytes, fake.by_category,
-                                                                         fake.max_by_category):
+        if not _same(real, fake):
             raise AssertionError(f"{v}: real and fake measurements differ:\n{format_table(rows)}")
-    return format_table(rows) + "\nreal = fake, byte for byte, in every category (at the peak and at each maximum)"
+    return (format_table(rows) + "\nreal = fake, byte for byte, in every category at the peak and in each state and "
+            "activation category's maximum")
+
+
+def _same(real: StepMemory, fake: StepMemory) -> bool:
+    """The same bytes: the peak, every category at it, and the maxima the planner reports (state, activations)."""
+    return (real.peak_bytes, real.by_category) == (fake.peak_bytes, fake.by_category) and all(
+        real.max_by_category[k] == v for k, v in fake.max_by_category.items())
 
 
 def plot_training(training: SmallTraining) -> Figure:
@@ -819,9 +827,7 @@ def small_memory_metrics(pairs: Mapping[str, tuple[StepMemory, StepMemory]]) -> 
     out = {}
     for v, (real, fake) in pairs.items():
         key = "small_post" if v == "post" else "small_baseline"
-        out |= {f"{key}_peak_bytes": real.peak_bytes, f"{key}_fake_equals_real": float(
-            (real.peak_bytes, real.by_category, real.max_by_category) == (fake.peak_bytes, fake.by_category,
-                                                                           fake.max_by_category))}
+        out |= {f"{key}_peak_bytes": real.peak_bytes, f"{key}_fake_equals_real": float(_same(real, fake))}
     return out
 
 

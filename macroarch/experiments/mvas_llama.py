@@ -17,14 +17,14 @@
    (``measure.stats.ratio_from_blocks``, a t interval on the log ratios over every seed's blocks). The bytes of
    each variant's training state over one more step (``measure_step``) come from the first seed.
 2. **Memory at full size** (:func:`measure_memory`): the real architecture (Llama-65B for C7, ~10B for C1) under
-   fake tensors, in bf16 whatever the CPU (the dtype the claim is about): the standard mixed-precision baseline
-   against MVAS with the first seed's plan carried over by tensor role (``mvas.transfer_plan``), stacked by
-   ``compose.apply`` (with DGR for C1). The graded total is the step's **measured peak** (the largest sum of live
-   bytes at one moment), with the categories at that moment beside it (they sum to it), never a sum of each
-   category's own maximum. Measured at full width at a few depths and extrapolated to full depth (each phase's
-   peak and its breakdown are affine in the number of identical layers, and the step's peak is the largest of
-   them; three depths check it; optionally the baseline at full depth too). :func:`accountings` lists the byte counts
-   that could give the post's 320 GB.
+   fake tensors, in bf16 whatever the CPU (the dtype the claim is about), by the planner (``macroarch.planner``):
+   the standard mixed-precision baseline against MVAS with the first seed's plan carried over by tensor role
+   (``macroarch.planner.roles``, as ``mvas.transfer_plan(depth="uniform")``), stacked by ``compose.apply`` (with DGR
+   for C1). The graded total is the step's **measured peak** (the largest sum of live bytes at one moment), with the
+   categories at that moment beside it (they sum to it), never a sum of each category's own maximum. Measured at
+   full width at a few depths and extrapolated to full depth (each phase's peak and its breakdown are affine in the
+   number of identical layers, and the step's peak is the largest of them; a third depth checks it; optionally the
+   baseline at full depth too). :func:`accountings` lists the byte counts that could give the post's 320 GB.
 
 Deviation: the post's accuracy is a downstream benchmark of Llama-65B; here it is next-token accuracy of a small
 Llama on bytes, so only the gap between variants is comparable.
@@ -53,13 +53,10 @@ from macroarch.measure.memory import (
     CATEGORIES,
     PRECISIONS,
     STATE_CATEGORIES,
-    MemoryReport,
     measure_step,
-    measure_training_step,
     parameter_count,
     training_state_bytes,
 )
-from macroarch.measure.memory.measured import affine_in_depth
 from macroarch.measure.stats import Estimate, Repeated, exact, paired_difference, ratio_from_blocks
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
@@ -136,8 +133,9 @@ class MVASLlamaSettings(Settings):
     big_batch: int = 1
     """Rows of the measured full-size step."""
     depths: tuple[int, ...] = (2, 3, 4)
-    """Full-width depths measured; peaks extrapolated (affine in depth) to full depth. At least two; from 2 layers
-    on each phase's peak falls at the same point of the step (at 1 it does not: the check refuses it)."""
+    """Full-width depths measured (``macroarch.planner.plan``'s ``depths``): each phase's peak extrapolated (affine
+    in depth) from the first two to full depth, checked on the others to the byte; a model no deeper is measured
+    whole. From 2 layers on each phase's peak falls at the same point of the step (at 1 it does not)."""
     check_full_depth: bool = True
     """Also measure the baseline at full depth: the extrapolation must match it."""
 
@@ -153,9 +151,9 @@ class MVASLlamaSettings(Settings):
         if self.steps < 2 * (WARMUP_BLOCKS + 1):
             self._fail("steps", f"at least {2 * (WARMUP_BLOCKS + 1)}: pairs of steps are the timing blocks, and "
                                 f"the first {WARMUP_BLOCKS} are warm-up")
-        if len(set(self.depths)) < 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
-                                            for d in self.depths):
-            self._fail("depths", "two or more distinct positive layer counts")
+        if (len(self.depths) < 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.depths)
+                or list(self.depths) != sorted(set(self.depths))):
+            self._fail("depths", "two or more increasing positive layer counts")
 
     @property
     def seed_list(self) -> tuple[int, ...]:
@@ -449,28 +447,6 @@ def train_seeds(small: SmallLlama, plan: mvas.PrecisionPlan, run: Any = None, *,
 
 
 # ------------------------------------------------------------------------------------------ full-size memory
-def peak_by_depth(reports: Mapping[int, MemoryReport], n_layers: int) -> tuple[int, dict[str, int]]:
-    """The measured peak of an ``n_layers`` model and the categories at that peak, from measurements of the same
-    model at smaller depths (``reports`` by depth).
-
-    The step's peak is the largest of its phases' peaks (setup, forward, backward, optimizer), and at small depths
-    it can fall in another phase than at full depth. Each phase's peak and its breakdown are affine in the number of
-    identical layers (embeddings and head are the constant term), so two depths fix them and a third must agree
-    to the byte (ValueError naming the phase and category otherwise); the full-depth peak is the largest
-    extrapolated phase peak, with that phase's breakdown.
-    """
-    depths = sorted(reports)
-    if len(depths) < 2:
-        raise ValueError(f"peak_by_depth needs reports at two or more depths; got {depths}")
-    phases: dict[str, dict[str, int]] = {}
-    for phase in reports[depths[0]].phases:
-        values = {d: {"peak": reports[d].phases[phase].peak_bytes, **reports[d].phases[phase].by_category}
-                  for d in depths}
-        phases[phase] = affine_in_depth(values, n_layers, f"the {phase} phase's peak")
-    top = max(phases.values(), key=lambda v: v["peak"])
-    return top["peak"], {k: v for k, v in top.items() if k != "peak"}
-
-
 @dataclass
 class BigMemory:
     """One training step of a full-size model, baseline against the MVAS stack: each one's measured peak (live
@@ -487,6 +463,8 @@ class BigMemory:
     mvas: dict[str, int]
     dgr: bool
     full_depth_checked: bool
+    depths: tuple[int, ...] = ()
+    """The layer counts measured and extrapolated from (empty: the whole model was measured)."""
 
     @property
     def reduction(self) -> float:
@@ -497,11 +475,20 @@ class BigMemory:
     def variant(self) -> str:
         return "MVAS + DGR" if self.dgr else "MVAS"
 
+    @property
+    def how(self) -> str:
+        """How the peaks were measured, in a few words."""
+        if not self.depths:
+            return "the whole model"
+        return (f"{', '.join(map(str, self.depths[:2]))} of {self.n_layers} layers, extrapolated (checked at "
+                f"{', '.join(map(str, self.depths[2:]))})" if len(self.depths) > 2 else
+                f"{', '.join(map(str, self.depths))} of {self.n_layers} layers, extrapolated")
+
     def text(self) -> str:
         lines = [f"baseline measured at full depth ({self.n_layers} layers) = extrapolated, peak and breakdown, to "
                  f"the byte"] if self.full_depth_checked else []
         lines.append(f"{self.model}: {self.n_params / 1e9:.2f}B parameters; one {self.batch}x{self.seq_len} step, "
-                     f"fake tensors; GB at each one's measured peak, by category (they sum to it)")
+                     f"fake tensors ({self.how}); GB at each one's measured peak, by category (they sum to it)")
         lines.append(f"{'category':<18}{'baseline GB':>12}{self.variant + ' GB':>14}")
         for k in CATEGORIES:
             lines.append(f"{k:<18}{self.baseline[k] / GB:>12.2f}{self.mvas[k] / GB:>14.2f}")
@@ -510,49 +497,55 @@ class BigMemory:
         return "\n".join(lines)
 
 
-def mvas_prepare(plan: mvas.PrecisionPlan, dgr: bool, seed: int) -> Callable[[torch.nn.Module], tuple]:
-    """``measure_training_step``'s ``prepare``: the plan carried over to the full-size model by role (each role's
-    most common format, the same in every layer), stacked by ``compose.apply`` (MVASAdamW with its default LR
-    and weight decay; with DGR, sync and one group per layer)."""
-    def prepare(net: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        transferred = mvas.transfer_plan(plan, net, depth="uniform")
-        if not dgr:
-            stack = compose.apply(net, MacroConfig(), plan=transferred, seed=seed)
-        else:
-            ids = torch.randint(0, 100, (1, 8))
-            stack = compose.apply(net, MacroConfig(dgr=DGRConfig(group_size=1)), plan=transferred,
-                                  example_inputs=dict(input_ids=ids, labels=ids), seed=seed)
-        return stack.model, stack.optimizer
-
-    prepare.__name__ = "mvas_dgr" if dgr else "mvas"
-    return prepare
+def _measured(c: Any) -> Any:
+    """A planned combination's bytes as measured (CPU kernels, no GPU-kernel correction); raises if it failed."""
+    if c.error is not None or c.measured is None:
+        raise RuntimeError(f"the planner could not measure {c.name}: {c.error or c.how}")
+    return c.measured
 
 
 def measure_memory(settings: MVASLlamaSettings, plan: mvas.PrecisionPlan, model: str, *, dgr: bool = False,
                    check_full_depth: bool = False) -> BigMemory:
-    """Baseline (``bf16_mixed``) and MVAS (+ DGR) peaks of one ``big_batch x big_seq_len`` step of ``model``, fake
-    tensors, extrapolated from ``depths`` (:func:`peak_by_depth`); ``check_full_depth``: the baseline measured at
-    full depth too (AssertionError if the extrapolation misses its peak or breakdown by a byte). With DGR the
-    depths are shifted up so that the smallest is 2: with one layer there is one group, nothing is freed before
-    the optimizer's turn, and the peak falls elsewhere in the step."""
+    """Baseline (``bf16_mixed``: ``MasterWeightAdamW``) and MVAS (+ DGR, groups of one layer) peaks of one
+    ``big_batch x big_seq_len`` step of ``model``, fake tensors, by the planner (``macroarch.planner.plan``, eager
+    attention as ``ModelSpec.build``): ``plan`` carried over to the full-size model by role
+    (``macroarch.planner.roles``: each role's most common format, the same in every layer), each measured at
+    ``depths`` layers (under DGR shifted up to start at 2) and extrapolated, phase by phase, to the full depth (a
+    third depth checks it to the byte); a model no deeper than the depths is measured whole. ``check_full_depth``:
+    the baseline measured at full depth too (AssertionError if the extrapolation misses its peak or breakdown by a
+    byte)."""
+    from macroarch.planner import plan as plan_step
+    from macroarch.planner.models import resolve
+    from macroarch.planner.roles import rules_from_plan
+    from macroarch.planner.run import StepCache
+
     s = settings
     spec = get_model_spec(model)
     n_layers = spec.shape.n_layers
-
-    def measure(prepare=None, depths=s.depths):
-        reports = {d: measure_training_step(spec.scaled(n_layers=d), s.big_batch, s.big_seq_len, BIG_PRECISION,
-                                            fake=True, device="cpu", prepare=prepare) for d in depths}
-        return peak_by_depth(reports, n_layers)
-
-    base_peak, base = measure()
-    if check_full_depth:
-        full = measure_training_step(spec, s.big_batch, s.big_seq_len, BIG_PRECISION, fake=True, device="cpu")
-        assert (full.peak_bytes, full.by_category) == (base_peak, base), \
-            f"extrapolation {base_peak} {base} != full-depth measurement {full.peak_bytes} {full.by_category}"
+    # with DGR from 2 layers: at 1 there is one group, nothing is freed before its update, the peak falls elsewhere
     shift = max(0, 2 - min(s.depths)) if dgr else 0
-    packed_peak, packed = measure(mvas_prepare(plan, dgr, s.seed), tuple(d + shift for d in s.depths))
-    return BigMemory(model, parameter_count(spec.shape), n_layers, s.big_batch, s.big_seq_len, base_peak,
-                     packed_peak, base, packed, dgr, check_full_depth)
+    depths = tuple(d + shift for d in s.depths)
+    depths = depths if max(depths) < n_layers else ()
+    m, cache = resolve(model, attention="eager"), StepCache()
+    variant = "mvas+dgr" if dgr else "mvas"
+    planned = plan_step(m, s.big_batch, s.big_seq_len, dtype=BIG_PRECISION, depths=depths, cache=cache,
+                        combinations=[variant], policy={"mvas": {"precision_policy": rules_from_plan(plan)}},
+                        group_size=1)
+    base, packed = (planned.combination(n) for n in ("plain", variant))
+    for c in (base, packed):
+        _measured(c)
+        if c.depths != depths:
+            raise AssertionError(f"{model} {c.name}: the extrapolation from {depths} was refused ({c.how})")
+    checked = check_full_depth and bool(depths)
+    if checked:
+        full = _measured(plan_step(m, s.big_batch, s.big_seq_len, dtype=BIG_PRECISION, depths=(), cache=cache,
+                                   combinations=["plain"]).combination("plain"))
+        got = base.measured
+        assert (full.peak, full.at_peak) == (got.peak, got.at_peak), \
+            f"extrapolation {got.peak} {got.at_peak} != full-depth measurement {full.peak} {full.at_peak}"
+    return BigMemory(model, parameter_count(spec.shape), n_layers, s.big_batch, s.big_seq_len, base.measured.peak,
+                     packed.measured.peak, dict(base.measured.at_peak), dict(packed.measured.at_peak), dgr, checked,
+                     depths)
 
 
 @dataclass

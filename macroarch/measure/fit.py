@@ -99,16 +99,21 @@ class TrainingStep(StepMemory):
 
 
 def measure_training(build: Callable[[], Built], loss_fn: Callable[[Any, Batch], torch.Tensor], *,
-                     fake: bool = True) -> TrainingStep:
+                     fake: bool = True, mode: Any = None) -> TrainingStep:
     """Peak live bytes, by category, of one training step of what ``build()`` returns, and each phase's peak.
 
     ``build() -> (model, runner, optimizer, batch)``: ``runner`` is what the loss calls (the model itself or a
     wrapper around it), ``batch`` a mapping of tensors; ``loss_fn(runner, batch)`` returns the loss. The model,
     optimizer and batch are tracked from before the step (module docstring of ``measured``: parameters,
-    gradients, optimizer state, master weights, activations, temporaries, other).
+    gradients, optimizer state, master weights, activations, temporaries, other). ``mode``: the fake mode to run
+    in, instead of a new one (``fake`` is then ignored): one whose tensors ``build`` returns again, to measure
+    another step of a model built in it earlier (a steady-state step after a steady-state step: the same bytes).
     """
     from macroarch._compat.fake import fake_tensor_mode
 
+    if mode is not None:
+        with mode:
+            return _measure(build, loss_fn)
     if fake:
         with fake_tensor_mode():
             return _measure(build, loss_fn)
@@ -263,7 +268,10 @@ def largest_fitting(measure: Callable[[int], StepMemory], budget_bytes: int | fl
             reports[n] = measure(n)
         return reports[n].peak_bytes
 
-    if peak(start) > budget_bytes:
+    # a known size from ``start`` up that fits says ``start`` fits too (the peak grows with the size): not measured
+    known_fit = any(n >= start and n % multiple == 0 and n <= max_size and r.peak_bytes <= budget_bytes
+                    for n, r in reports.items())
+    if not known_fit and peak(start) > budget_bytes:
         raise ValueError(f"a budget of {budget_bytes / 1e9:.3g} GB is below the peak of one step at the smallest "
                          f"size ({start} {unit}{'s' if start > 1 else ''}): {peak(start) / 1e9:.3g} GB")
     grid = [n for n in reports if n % multiple == 0 and start <= n <= max_size]

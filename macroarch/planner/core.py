@@ -36,9 +36,9 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from macroarch.measure.memory import StepMemory
+from macroarch.measure.memory import PhasePeak, StepMemory
 from macroarch.planner.models import Model, PlanError, resolve
 from macroarch.planner.report import size_text
 from macroarch.planner.run import (
@@ -47,12 +47,18 @@ from macroarch.planner.run import (
     DepthPlan,
     Measured,
     Setup,
+    StepCache,
+    check_depths,
     depth_plan,
     fsdp2_model,
     fsdp_units,
     measure_full,
+    setup_key,
 )
 from macroarch.planner.slowdown import PLAIN, Slowdown, slowdown
+
+if TYPE_CHECKING:
+    from macroarch.measure.fit import MeasureCache
 
 GB = 1e9
 SEARCHES = ("batch", "seq", "frames", "points")
@@ -80,6 +86,11 @@ class Combination:
         slowdown: the measured step-time ratio and its source, or unmeasured.
         notes: what else applies to this combination.
         error: why it could not be measured.
+        depths: the depth units measured and extrapolated from (empty: the whole model was measured).
+        measured: the one-device fake-tensor bytes as measured (the device's kernels), before the GPU-kernel
+            correction and FSDP2's modelling that ``bytes`` holds (None where nothing was measured).
+        searched: the peak (as ``bytes``) at every size the largest-size search knows, by size: its own
+            measurements and those of earlier plans sharing its ``cache`` (empty without a budget).
     """
 
     techniques: tuple[str, ...]
@@ -92,6 +103,9 @@ class Combination:
     slowdown: Slowdown = PLAIN
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    depths: tuple[int, ...] = ()
+    measured: Bytes | None = None
+    searched: dict[int, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -106,7 +120,8 @@ class Combination:
                    peak_phase=None if b is None else b.phase, fits=self.fits,
                    headroom=self.headroom, largest=self.largest, largest_capped=self.largest_capped,
                    slowdown=self.slowdown.ratio, slowdown_range=[self.slowdown.low, self.slowdown.high],
-                   slowdown_source=self.slowdown.source, how=self.how, notes=self.notes, error=self.error)
+                   slowdown_source=self.slowdown.source, how=self.how, depths=list(self.depths), notes=self.notes,
+                   error=self.error)
         return out
 
 
@@ -174,8 +189,9 @@ def _techniques(techniques: str | Sequence[str], devices: int) -> tuple[str, ...
     return tuple(sorted(set(items), key=_ORDER.__getitem__))
 
 
-def _setup(policy: Any, dtype: str, group_size: int | None, devices: int) -> tuple[Setup, str]:
-    from macroarch.config import ConfigError, MVASConfig, load_config
+def _setup(policy: Any, dtype: str, group_size: int | None, devices: int, device: str = "cpu", fake: bool = True
+           ) -> tuple[Setup, str]:
+    from macroarch.config import ConfigError, MacroConfig, MVASConfig, load_config
     from macroarch.measure.memory import get_precision
 
     try:
@@ -185,7 +201,7 @@ def _setup(policy: Any, dtype: str, group_size: int | None, devices: int) -> tup
     mvas, source, size = MVASConfig(precision_policy={"*": "fp8"}), "default: every packable weight in fp8", None
     if policy is not None:
         try:
-            config = load_config(policy)
+            config = policy if isinstance(policy, MacroConfig) else load_config(policy)
         except (ConfigError, OSError) as e:
             raise PlanError(f"--policy {policy}: {e}") from None
         if config.uses_mvas:
@@ -195,7 +211,7 @@ def _setup(policy: Any, dtype: str, group_size: int | None, devices: int) -> tup
     size = group_size if group_size is not None else (size or 1)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise PlanError(f"group_size={size!r} must be a positive int")
-    return Setup(precision, mvas, size, devices), source
+    return Setup(precision, mvas, size, devices, device, fake), source
 
 
 def _positive(name: str, value: Any, optional: bool = False) -> None:
@@ -205,11 +221,30 @@ def _positive(name: str, value: Any, optional: bool = False) -> None:
         raise PlanError(f"{name}={value!r} must be a positive int")
 
 
+def _device(device: str) -> None:
+    """``device`` is ``"cpu"`` or a CUDA device on a machine that has one; a fake CUDA step's backward needs a real
+    CUDA context, made here by one real allocation."""
+    import torch
+
+    if device == "cpu":
+        return
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind != "cuda":
+        raise PlanError(f"device={device!r} must be 'cpu' or 'cuda'")
+    if not torch.cuda.is_available():
+        raise PlanError(f"device={device!r}, but this machine has no GPU: autograd's backward needs a CUDA context "
+                        f"even for fake tensors; plan with device='cpu' (CPU kernels, with the GPU-kernel correction)")
+    torch.zeros(1, device=device)
+
+
 # ----------------------------------------------------------------------------------------------- per combination
 def _correction(model: Model, setup: Setup, combo: frozenset[str], batch: int, seq: int | None
                 ) -> tuple[int, str | None]:
     """Bytes to add to the CPU kernels' activations for CUDA's (module docstring), and what was done."""
-    if model.shape is None or model.seq_name != "tokens":
+    if model.shape is None or model.seq_name != "tokens" or setup.device != "cpu":
         return 0, None
     from macroarch.measure.memory import activation_bytes
 
@@ -229,11 +264,27 @@ def _correction(model: Model, setup: Setup, combo: frozenset[str], batch: int, s
 
 
 def _corrected(b: Bytes, delta: int) -> Bytes:
+    """``b`` with CUDA's kernels' activations: ``delta`` more at the activations' maximum, and at every phase's peak
+    in the share of the activations alive there (the masks and statistics it counts live from a layer's forward
+    to its backward: none are left at the update's peak)."""
     if not delta:
         return b
-    cats = dict(b.categories, activations=b.categories["activations"] + delta)
-    at_peak = dict(b.at_peak, activations=b.at_peak.get("activations", 0) + delta)
-    return Bytes(cats, b.peak + delta, at_peak, b.phase)
+    most = b.categories["activations"]
+
+    def shifted(cats: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+        extra = round(delta * cats.get("activations", 0) / most) if most else 0
+        return extra, dict(cats, activations=cats.get("activations", 0) + extra)
+
+    cats = dict(b.categories, activations=most + delta)
+    if not b.phases:
+        extra, at_peak = shifted(b.at_peak)
+        return Bytes(cats, b.peak + extra, at_peak, b.phase)
+    phases = {}
+    for name, p in b.phases.items():
+        extra, at = shifted(p.by_category)
+        phases[name] = PhasePeak(p.peak_bytes + extra, at)
+    phase = max(phases, key=lambda k: phases[k].peak_bytes)
+    return Bytes(cats, phases[phase].peak_bytes, dict(phases[phase].by_category), phase, phases)
 
 
 def _analytic(model: Model, setup: Setup, batch: int, seq: int | None, error: Exception) -> Combination:
@@ -267,6 +318,9 @@ class _Context:
     budget: int | None
     units: Any = None
     dense_weights: int = 0
+    depths: tuple[int, ...] | None = None
+    max_size: int | None = None
+    cache: StepCache = field(default_factory=StepCache)
 
     @property
     def size(self) -> int:
@@ -285,13 +339,13 @@ class _Context:
 def _measure_combo(ctx: _Context, combo: frozenset[str], check: bool = True) -> tuple[Measured, Any]:
     """The fake-tensor bytes of ``combo`` at the requested size, and ``at(size) -> Bytes`` for the search (each
     size extrapolated in depth from the two shallowest depths, phase by phase)."""
-    depth = depth_plan(ctx.model, combo, ctx.setup, check=check)
-    measured = measure_full(ctx.model, combo, ctx.setup, ctx.batch, ctx.seq, depth)
+    depth = depth_plan(ctx.model, combo, ctx.setup, check=check, depths=ctx.depths)
+    measured = measure_full(ctx.model, combo, ctx.setup, ctx.batch, ctx.seq, depth, ctx.cache)
     quick = DepthPlan(measured.depth.depths[:2], measured.depth.full)
 
     def at(size: int) -> Bytes:
         model, batch, seq = ctx.at(size)
-        return measure_full(model, combo, ctx.setup, batch, seq, quick).bytes
+        return measure_full(model, combo, ctx.setup, batch, seq, quick, ctx.cache).bytes
 
     return measured, at
 
@@ -313,20 +367,34 @@ def _derive(ctx: _Context, combo: frozenset[str], b: Bytes, size: int) -> tuple[
 _UNITS = {"batch": "sample", "frames": "frame", "points": "point"}
 
 
-def _largest(ctx: _Context, combo: frozenset[str], at: Any, first: Bytes) -> tuple[int | None, bool, str | None]:
-    from macroarch.measure.fit import MeasureCache, largest_fitting
+def _search_cache(ctx: _Context, combo: frozenset[str], at: Any) -> MeasureCache:
+    """The sizes measured for ``combo``'s search so far, by every plan that shares ``ctx.cache`` and all but the
+    searched size (``largest_fitting`` brackets from them: a plan per budget measures few new sizes)."""
+    from macroarch.measure.fit import MeasureCache
+
+    fixed = {"batch": ("batch",), "frames": ("frames",)}.get(ctx.search, ("seq",))
+    model = ctx.cache.model_key(replace(ctx.model, frames=None) if "frames" in fixed else ctx.model)
+    key = (model, combo, setup_key(ctx.setup, combo), None if "batch" in fixed else ctx.batch,
+           None if "seq" in fixed else ctx.seq, ctx.search, ctx.depths)
 
     def measure(size: int) -> StepMemory:
-        if size == ctx.size:
-            return _as_step(first)
         return _as_step(_derive(ctx, combo, at(size), size)[0])
 
+    return ctx.cache.searches.setdefault(key, MeasureCache(measure))
+
+
+def _largest(ctx: _Context, combo: frozenset[str], at: Any) -> tuple[int | None, bool, str | None]:
+    """The largest size that fits (``largest_fitting`` on the shared search cache), whether the search stopped at
+    its maximum, and why none fits."""
+    from macroarch.measure.fit import largest_fitting
+
+    sizes = _search_cache(ctx, combo, at)
     multiple = {"batch": 1, "frames": ctx.model.frames_multiple}.get(ctx.search, ctx.model.seq_multiple)
     start = ctx.model.min_batch if ctx.search == "batch" else multiple
-    max_size = 1 << 16 if ctx.search in ("batch", "frames") else 1 << 20
+    max_size = ctx.max_size or (1 << 16 if ctx.search in ("batch", "frames") else 1 << 20)
     try:
-        fit = largest_fitting(MeasureCache(measure), ctx.budget, start=start, multiple=multiple,
-                              max_size=max_size, unit=_UNITS.get(ctx.search, ctx.model.seq_name.rstrip("s")))
+        fit = largest_fitting(sizes, ctx.budget, start=start, multiple=multiple, max_size=max_size,
+                              unit=_UNITS.get(ctx.search, ctx.model.seq_name.rstrip("s")))
     except ValueError as e:
         return None, False, str(e)
     return fit.size, fit.capped, None
@@ -337,12 +405,15 @@ def _combination(ctx: _Context, combo: frozenset[str], base: dict[frozenset[str]
     one = combo - {"fsdp2"}
     measured, at = base[one]
     b, notes = _derive(ctx, combo, measured.bytes, ctx.size)
-    how = "fake tensors (CPU kernels), " + measured.how
+    how = f"{'fake' if ctx.setup.fake else 'real'} tensors ({ctx.setup.device.upper()} kernels), " + measured.how
     c = Combination(tuple(sorted(combo, key=_ORDER.__getitem__)), b, how,
-                    slowdown=slowdown(combo, ctx.setup.policy.name), notes=notes)
+                    slowdown=slowdown(combo, ctx.setup.policy.name), notes=notes, depths=measured.depth.depths,
+                    measured=measured.bytes)
+    _search_cache(ctx, combo, at).reports.setdefault(ctx.size, _as_step(b))  # a later search starts from it
     if ctx.budget is not None:
         c.fits, c.headroom = b.peak <= ctx.budget, ctx.budget - b.peak
-        c.largest, c.largest_capped, why = _largest(ctx, combo, at, b)
+        c.largest, c.largest_capped, why = _largest(ctx, combo, at)
+        c.searched = _search_cache(ctx, combo, at).peaks()
         if why:
             c.notes.append(f"largest {ctx.search}: none fits ({why})")
     return c
@@ -391,9 +462,11 @@ def _verdict(combos: list[Combination], budget: int | None, search: str) -> tupl
 # ----------------------------------------------------------------------------------------------- plan
 def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: int | None = None,
          points: int | None = None, gpu: str | None = None, budget_gb: float | None = None, devices: int = 1,
-         techniques: str | Sequence[str] = (), policy: str | Mapping[str, Any] | None = None, dtype: str = "bf16_mixed",
+         techniques: str | Sequence[str] = (), policy: Any = None, dtype: str = "bf16_mixed",
          group_size: int | None = None, attention: str = "sdpa", search: str = "batch",
-         combinations: Sequence[str | Sequence[str]] | None = None) -> Plan:
+         combinations: Sequence[str | Sequence[str]] | None = None, depths: Sequence[int] | None = None,
+         device: str = "cpu", max_size: int | None = None, cache: StepCache | None = None, fake: bool = True
+         ) -> Plan:
     """Plan one training step of ``model`` (module docstring).
 
     Args:
@@ -408,8 +481,9 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: 
         devices: the device count (``fsdp2`` shards over it; the batch stays per device).
         techniques: ``mvas``, ``master`` (MVAS's fp32 master copies), ``dgr``, ``checkpoint``, ``fsdp2``, as a list
             or comma-separated; every combination of them is planned, the plain step too.
-        policy: a technique config (a YAML file, as ``configs/clip_post.yaml``, or the mapping it would hold): its
-            MVAS policy (rules, or a target reduction: ``macroarch.planner.target``) and DGR group size.
+        policy: a technique config (a YAML file, as ``configs/clip_post.yaml``, the mapping it would hold, or a loaded
+            ``MacroConfig``): its MVAS policy (rules, or a target reduction: ``macroarch.planner.target``) and DGR
+            group size.
         dtype: the dtype recipe, a name in ``macroarch.measure.memory.PRECISIONS`` (``bf16_mixed``, ``fp32``,
             ``post``, ``fp16``, ``mixed``).
         group_size: DGR's blocks per group (default: the policy's, else 1).
@@ -417,6 +491,18 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: 
         search: what the largest fitting size varies (``SEARCHES``).
         combinations: plan only these (each ``"plain"``, ``"mvas+dgr"`` or a list of techniques; the plain step is
             always planned too) instead of every combination of ``techniques`` (which may then be left empty).
+        depths: the depth units measured (``macroarch.planner.run``): None, the planner's own; two or more
+            increasing ones, the first two extrapolated from and every further one (the full depth too) checked to
+            the byte, else the whole model is measured and the combination says why; ``()``, the whole model.
+        device: whose kernels the fake step runs: ``"cpu"``, or ``"cuda"`` on a machine with a GPU (autograd's
+            backward needs a CUDA context even for fake tensors); with CUDA's kernels no GPU-kernel correction is
+            applied.
+        max_size: where the largest-size search stops (default: 2^16 samples or frames, 2^20 tokens or points);
+            a combination that fits there is ``largest_capped``.
+        cache: a ``StepCache`` shared by plans of the same model (one per budget, per size): no step is measured
+            twice, and a search starts from the sizes earlier ones measured.
+        fake: False runs every step on real tensors instead (a small model: the same bytes on CPU kernels, in less
+            time where its many small kernels cost more to dispatch under fake tensors than to run).
 
     Raises ``PlanError`` (a ``ValueError``) naming any bad input.
     """
@@ -426,15 +512,19 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: 
     _positive("frames", frames, optional=True)
     _positive("points", points, optional=True)
     _positive("devices", devices)
+    _positive("max_size", max_size, optional=True)
     if search not in SEARCHES:
         raise PlanError(f"search={search!r} must be one of {SEARCHES}")
     if attention not in ("sdpa", "eager"):
         raise PlanError(f"attention={attention!r} must be 'sdpa' or 'eager'")
+    _device(device)
     budget, budget_source = _budget(gpu, budget_gb)
     wanted = _techniques(techniques, devices)
     requested = _combinations(wanted, combinations, devices)
     wanted = tuple(sorted(set(wanted).union(*requested), key=_ORDER.__getitem__))
-    setup, mvas_source = _setup(policy, dtype, group_size, devices)
+    if not isinstance(fake, bool):
+        raise PlanError(f"fake={fake!r} must be True or False")
+    setup, mvas_source = _setup(policy, dtype, group_size, devices, device, fake)
     m = model if isinstance(model, Model) else resolve(model, attention=attention)
     model = m.name
     seq = _sizes(m, seq, frames, points, search)
@@ -442,7 +532,12 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: 
         m = replace(m, frames=frames)
     if batch < m.min_batch:
         raise PlanError(f"{model}: batch={batch}, but a training step needs {m.min_batch} samples at least")
-    ctx = _Context(m, setup, batch, seq, search, budget)
+    try:
+        depths = check_depths(m, depths)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    ctx = _Context(m, setup, batch, seq, search, budget, depths=depths, max_size=max_size,
+                   cache=StepCache() if cache is None else cache)
     meta = m.build(None, setup.policy.param_dtype, seq if m.seq_name != "tokens" else None)
     n_params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
     if "mvas" in wanted and setup.mvas.target_reduction is not None:
@@ -477,8 +572,9 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: 
     cheapest_name, verdict = _verdict(results, budget, search)
     notes = [
         "bytes per device: live tensors of one steady-state training step (forward with the loss, backward, "
-        "optimizer step), MemTracker under FakeTensorMode with CPU kernels; not counted: the CUDA context, "
-        "cuBLAS/cuDNN workspaces, the caching allocator's rounding and fragmentation",
+        f"optimizer step), MemTracker {'under FakeTensorMode' if fake else 'on real tensors'} with {device.upper()} "
+        "kernels; not counted: the CUDA context, cuBLAS/cuDNN workspaces, the caching allocator's rounding and "
+        "fragmentation",
         "peak: the largest total over the step (temporaries, inputs and buffers included); the categories are "
         "each one's own maximum and do not add up to it",
         f"attention: {m.attention}" + (" (CPU flash kernel: output and an fp32 log-sum-exp per row, no score "
@@ -494,9 +590,12 @@ def plan(model: str | Model, batch: int = 1, seq: int | None = None, *, frames: 
         notes.append("cheapest: the least expected slowdown among combinations with a measured ratio (read from "
                      "the benchmarks' committed runs, each row's source below); ratios whose measured ranges overlap "
                      "are tied, and of tied ones the fewest techniques is named")
-    if m.shape is None:
+    if m.shape is None and device == "cpu":
         notes.append("no GPU-kernel correction for this family: CPU kernels' bytes (on CUDA, dropout masks are "
                      "1 byte per element and LayerNorm statistics fp32; on CPU both are in the activation dtype)")
+    if device != "cpu":
+        notes.append(f"kernels: {device}'s own, measured (fake tensors need no GPU memory, but its backward needs a "
+                     f"CUDA context); MVAS's stood-in update temporaries, where stood in, were measured on the CPU")
     if devices > 1 and "fsdp2" not in wanted:
         notes.append(f"--devices {devices} without fsdp2: every device holds the whole step (data parallel)")
     layers = "+".join(map(str, m.full_layers)) if m.scalable else "fixed"

@@ -32,6 +32,7 @@ config's).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -77,6 +78,8 @@ class Model:
         seq_multiple: what the largest-``seq`` search steps by (a folding trunk's crops: 32 residues).
         min_batch: the smallest batch a training step takes (2 where BatchNorm follows a pooling).
         notes: what was changed from the spec to count the bytes a GPU run holds, and why.
+        checkpoint_units: the modules the ``checkpoint`` technique recomputes, given the built model (None: the
+            library's switch, else the repeated blocks; PointNet's: its blocks and both T-Nets).
     """
 
     name: str
@@ -96,10 +99,17 @@ class Model:
     seq_multiple: int = 1
     min_batch: int = 1
     notes: tuple[str, ...] = ()
+    checkpoint_units: Callable[[nn.Module], list[nn.Module]] | None = field(default=None, repr=False)
 
     @property
     def scalable(self) -> bool:
         return self.full_units is not None
+
+    @property
+    def builder(self) -> Callable[..., nn.Module]:
+        """What builds the model: shared by the copies ``dataclasses.replace`` makes (other ``frames``), so a
+        step's cache knows them for one model (``macroarch.planner.run.StepCache``)."""
+        return self._build
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -164,11 +174,12 @@ def _transformers_class(config: Any) -> type:
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForImageClassification"):
+    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForImageClassification",
+                 "AutoModelForVideoClassification"):
         mapping = getattr(transformers, auto)._model_mapping
         if type(config) in mapping:
             return mapping[type(config)]
-    raise PlanError(f"model_type {config.model_type!r}: no causal-LM, masked-LM or image-classification class "
+    raise PlanError(f"model_type {config.model_type!r}: no causal-LM, masked-LM, image- or video-classification class "
                     f"in transformers {transformers.__version__}; give \"architectures\" in the config")
 
 
@@ -224,18 +235,19 @@ def _no_attention_dropout(config: Any) -> str | None:
 def from_transformers_config(name: str, config: Any, kind: str = "transformers", attention: str = "sdpa") -> Model:
     """A transformers config as a ``Model`` (module docstring, 2). A config with ``num_frames`` whose model takes
     ``pixel_values`` is a video model (clips of ``(frames, channels, side, side)``); with SDPA, attention dropout is
-    set to 0 (``_no_attention_dropout`` says why)."""
+    set to 0 (``_no_attention_dropout`` says why); a model without an SDPA kernel (TimeSformer) runs its own,
+    eager, attention, and the plan says so."""
     import copy
 
     cls = _transformers_class(config)
     config = copy.deepcopy(config)
     config.use_cache = False  # training never reads a KV cache; building one keeps every layer's K and V
-    notes = (_no_attention_dropout(config),) if attention == "sdpa" else ()
-    if attention == "sdpa" and cls.__name__.endswith("ForCausalLM"):
-        notes += ("causal mask: transformers takes fake tensors for tracing (masking_utils' is_tracing) and builds "
-                  "the causal mask a real step skips (it passes is_causal instead); CPU SDPA then keeps one (batch, "
-                  "1, seq, seq) copy of it per layer in the activation dtype, so the activations here are that much "
-                  "above a real step's (not subtracted; benchmarks/plan_compare.md measures it)",)
+    notes: tuple[str | None, ...] = ()
+    if attention == "sdpa" and not getattr(cls, "_supports_sdpa", False):
+        attention = "eager"
+        notes += (f"{cls.__name__} has no SDPA kernel in transformers: its own (eager) attention is counted, which "
+                  f"keeps each layer's score matrices",)
+    notes += (_no_attention_dropout(config),) if attention == "sdpa" else ()
     params = inspect.signature(cls.forward).parameters
     vision = "pixel_values" in params and "input_ids" not in params
     video = vision and isinstance(getattr(config, "num_frames", None), int)
@@ -252,7 +264,8 @@ def from_transformers_config(name: str, config: Any, kind: str = "transformers",
         if video and frames is not None:
             c.num_frames = frames
         c._attn_implementation = attention
-        return cls(c)
+        with _table_shapes_only(c):
+            return cls(c)
 
     def make_batch(b: int, s: int, frames: int | None) -> Batch:
         if vision:
@@ -273,6 +286,23 @@ def from_transformers_config(name: str, config: Any, kind: str = "transformers",
                  _batch=make_batch, _loss=lambda runner, batch: runner(**batch).loss, shape=_shape_of(config),
                  frames=config.num_frames if video else None, frames_multiple=_tubelet(config) if video else 1,
                  notes=tuple(n for n in notes if n))
+
+
+def _table_shapes_only(config: Any) -> contextlib.AbstractContextManager:
+    """On ``"meta"``, VideoMAE's sinusoidal position table as zeros of its shape and dtype.
+
+    VideoMAE fills that fixed table in a Python loop over every position and channel (a minute at 1000 frames),
+    on the CPU whatever the device, and keeps it as a plain tensor attribute; a fake step reads only its shape
+    (``fake_module`` replaces it with an empty tensor of that shape), so on ``"meta"`` the loop is skipped.
+    Elsewhere (a real model) nothing is changed."""
+    if config.model_type != "videomae" or torch.get_default_device().type != "meta":
+        return contextlib.nullcontext()
+    from unittest import mock
+
+    from transformers.models.videomae import modeling_videomae
+
+    return mock.patch.object(modeling_videomae, "get_sinusoid_encoding_table",
+                             lambda n, dim: torch.zeros(1, n, dim, dtype=torch.float32, device="meta"))
 
 
 def _tubelet(config: Any) -> int:
@@ -401,7 +431,8 @@ def custom(name: str, build: Callable[[int | None, int | None, int | None], nn.M
            make_batch: Callable[[int, int, int | None], Batch], loss: Callable[[Any, Batch], torch.Tensor], *,
            layers: int | None = None, seq_name: str = "tokens", default_seq: int | None = None,
            frames: int | None = None, frames_multiple: int = 1, seq_multiple: int = 1, min_batch: int = 1,
-           family: str = "custom", attention: str = "the model's own") -> Model:
+           family: str = "custom", attention: str = "the model's own",
+           checkpoint: Callable[[nn.Module], list[nn.Module]] | None = None) -> Model:
     """A ``Model`` from three functions, for models no spec names (a harness's own architecture).
 
     Args:
@@ -414,6 +445,8 @@ def custom(name: str, build: Callable[[int | None, int | None, int | None], nn.M
             extrapolated); None measures the whole model.
         seq_name, default_seq, frames, frames_multiple, seq_multiple, min_batch, family, attention: as
             ``Model``'s (``seq_name`` names what ``seq`` counts: ``"tokens"``, ``"residues"``...).
+        checkpoint: the modules ``checkpoint`` recomputes, given the built model (``Model.checkpoint_units``;
+            None: the repeated blocks).
     """
     def by_layers(stack: tuple[int, ...] | None, seq: int | None, clip: int | None) -> nn.Module:
         return build(None if stack is None else stack[0], seq, clip)
@@ -421,15 +454,20 @@ def custom(name: str, build: Callable[[int | None, int | None, int | None], nn.M
     return Model(name=name, kind="custom", unit=(1,) if layers else (), full_units=layers, seq_name=seq_name,
                  default_seq=default_seq, attention=attention, family=family, _build=by_layers, _batch=make_batch,
                  _loss=loss, frames=frames, frames_multiple=frames_multiple, seq_multiple=seq_multiple,
-                 min_batch=min_batch)
+                 min_batch=min_batch, checkpoint_units=checkpoint)
 
 
 # ------------------------------------------------------------------------------------------- point clouds
 def pointnet(num_classes: int = 40) -> Model:
     """PointNet classification (``macroarch.models.pointnet``, ModelNet40's 40 classes): ``seq`` is the points per
     cloud (default 1024), one cross-entropy step on ``(batch, points, 3)`` clouds. Its BatchNorm after the max-pool
-    needs two clouds per step, so the batch starts at 2; its depth is fixed."""
+    needs two clouds per step, so the batch starts at 2; its depth is fixed. ``checkpoint`` recomputes its shared-MLP
+    blocks and both T-Nets (the input and the feature transform, each a small PointNet of its own)."""
+    from macroarch.layers import find_repeated_layers
     from macroarch.models.pointnet import PointNet
+
+    def units(net: nn.Module) -> list[nn.Module]:
+        return [b for _, b in find_repeated_layers(net)] + [net.input_transform, net.feature_transform]
 
     def build(layers: tuple[int, ...] | None, seq: int | None, frames: int | None) -> nn.Module:
         return PointNet(num_classes=num_classes)
@@ -439,7 +477,7 @@ def pointnet(num_classes: int = 40) -> Model:
 
     return Model(name="pointnet", kind="builder", unit=(), full_units=None, seq_name="points", default_seq=1024,
                  attention="none (a shared MLP and max-pooling)", family="pointnet", _build=build, _batch=make_batch,
-                 _loss=lambda runner, batch: runner(**batch).loss, min_batch=2)
+                 _loss=lambda runner, batch: runner(**batch).loss, min_batch=2, checkpoint_units=units)
 
 
 # ------------------------------------------------------------------------------------------- resolution

@@ -6,39 +6,53 @@ A combination is a set of techniques stacked on the model the way a user would:
   moments); ``master`` adds MVAS's fp32 master copies (``MVASConfig.master_weights``);
 - ``dgr``: DGR-sync groups of ``group_size`` blocks (with MVAS through ``compose.apply``; without it a
   ``DGRWrapper`` running the dtype recipe's optimizer per group, ``atomic_steps`` off as in ``DGRConfig``);
-- ``checkpoint``: activation checkpointing of the repeated blocks, non-reentrant (the library's switch:
-  transformers' ``gradient_checkpointing_enable``, timm's and open_clip's ``set_grad_checkpointing``; else
+- ``checkpoint``: activation checkpointing of the repeated blocks, non-reentrant (the modules the model names,
+  ``Model.checkpoint_units``, as PointNet's T-Nets beside its blocks; else the library's switch: transformers'
+  ``gradient_checkpointing_enable``, timm's and open_clip's ``set_grad_checkpointing``; else
   ``torch.utils.checkpoint`` around each block of ``find_repeated_layers``);
 - without MVAS, the dtype recipe's optimizer: ``MasterWeightAdamW`` (fp32 master and moments) for recipes with a
   master copy, else ``torch.optim.AdamW`` (moments in the parameter dtype).
 
 The step (forward with the loss, backward, optimizer step, ``zero_grad``) is measured by
 ``macroarch.measure.fit.measure_training``: MemTracker's live bytes under ``FakeTensorMode`` with CPU kernels,
-after the optimizer's state exists (a steady-state step). ``fsdp2`` is not run (no process group exists here):
-:func:`fsdp2_model` derives it from the one-device step, and says so.
+after the optimizer's state exists (a steady-state step), on the CPU's kernels or (``Setup.device="cuda"``, on a
+machine with a GPU: autograd's backward needs a CUDA context even for fake tensors) CUDA's. ``fsdp2`` is not run
+(no process group exists here): :func:`fsdp2_model` derives it from the one-device step, and says so. A
+:class:`StepCache` keeps every step measured, so plans that share a model (one per budget, per size) share them.
 
 Depth. A model of many identical blocks is measured at three shallow depths and extrapolated to its full depth,
 affine in depth: ``extrapolate_peak`` for the peak, phase by phase (setup, forward, backward up to the first
 block's, the rest of backward, optimizer: the phase holding the peak can change with depth, as a 7B Llama's with
 MVAS moves from backward at 2-4 blocks to the update at 32), ``extrapolate_by_depth`` for the categories. The
 third depth must agree to the byte, and under DGR the gradients, the largest group's, must be the same at the two
-deepest. Where that check fails, or the depth cannot be changed, the full model is measured. The largest-batch
-search extrapolates each size from the two shallowest depths the same way.
+deepest. Where that check fails, or the depth cannot be changed, the full model is measured. The depths can also
+be given (``depth_plan(depths=...)``: the first two fix the line, every further one, the full depth too, must agree
+to the byte; none: the full model). The largest-batch search extrapolates each size from the two shallowest depths
+the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from macroarch.measure.fit import extrapolate_peak, fake_module, measure_training
-from macroarch.measure.memory import MemoryReport, PrecisionPolicy, StepMemory, extrapolate_by_depth, measure_step
+from macroarch.measure.fit import TrainingStep, extrapolate_peak, fake_module, measure_training
+from macroarch.measure.memory import (
+    MemoryReport,
+    PhasePeak,
+    PrecisionPolicy,
+    StepMemory,
+    extrapolate_by_depth,
+    measure_step,
+)
 from macroarch.planner.models import Model
 
 TECHNIQUES = ("mvas", "master", "dgr", "checkpoint", "fsdp2")
@@ -56,12 +70,16 @@ class Setup:
         mvas: the ``MVASConfig`` that ``mvas`` applies (``master`` turns its ``master_weights`` on).
         group_size: DGR's blocks per group.
         devices: the device count ``fsdp2`` shards over.
+        device: whose kernels the fake step runs (``"cpu"``, or ``"cuda"`` where a GPU is present).
+        fake: fake tensors (else real ones: small models only, ``fake_step``).
     """
 
     policy: PrecisionPolicy
     mvas: Any
     group_size: int
     devices: int
+    device: str = "cpu"
+    fake: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,33 +92,38 @@ class Bytes:
         peak: the largest total of live bytes during the step (temporaries, inputs and buffers included): not the
             sum of the categories.
         at_peak: MemTracker's categories at the peak (they sum to it).
-        phase: the phase of the step the peak falls in (``setup``, ``forward``, ``backward``, ``optimizer``;
-            None where unknown: the analytic fallback).
+        phase: the phase of the step the peak falls in (``setup``, ``forward``, ``backward``, ``backward_tail``,
+            ``optimizer``; None where unknown: the analytic fallback).
+        phases: each phase's peak and MemTracker's categories at it (``macroarch.measure.fit.TrainingStep``;
+            extrapolated in depth as the peak is; empty where unknown).
     """
 
     categories: dict[str, int]
     peak: int
     at_peak: dict[str, int] = field(default_factory=dict)
     phase: str | None = None
+    phases: dict[str, PhasePeak] = field(default_factory=dict)
 
 
 def _as_bytes(step: StepMemory) -> Bytes:
     cats = {CATEGORY_NAMES[k]: step.max_by_category[k] for k in CATEGORY_NAMES}
-    return Bytes(cats, step.peak_bytes, dict(step.by_category), getattr(step, "peak_phase", None))
+    return Bytes(cats, step.peak_bytes, dict(step.by_category), getattr(step, "peak_phase", None),
+                 dict(getattr(step, "phases", None) or {}))
 
 
 # ----------------------------------------------------------------------------------------------- one step
-def _checkpoint(model: nn.Module) -> None:
-    """Non-reentrant activation checkpointing of the repeated blocks (module docstring)."""
-    if getattr(model, "supports_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return
-    if hasattr(model, "set_grad_checkpointing"):
-        model.set_grad_checkpointing(True)
-        return
+def _checkpoint(model: nn.Module, units: Callable[[nn.Module], list[nn.Module]] | None = None) -> None:
+    """Non-reentrant activation checkpointing of ``units(model)``, else of the repeated blocks (module docstring)."""
+    if units is None:
+        if getattr(model, "supports_gradient_checkpointing", False):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return
+        if hasattr(model, "set_grad_checkpointing"):
+            model.set_grad_checkpointing(True)
+            return
     from macroarch.models import find_repeated_layers
 
-    for _, block in find_repeated_layers(model):
+    for block in units(model) if units is not None else [b for _, b in find_repeated_layers(model)]:
         forward = block.forward
 
         def wrapped(*args: Any, _forward: Callable = forward, **kwargs: Any) -> Any:
@@ -119,14 +142,15 @@ def _plain_optimizer(policy: PrecisionPolicy) -> tuple[type, dict]:
     return torch.optim.AdamW, {"foreach": False}
 
 
-def _stack(net: nn.Module, combo: frozenset[str], setup: Setup, loss: Callable[[Any], torch.Tensor]
+def _stack(net: nn.Module, combo: frozenset[str], setup: Setup, loss: Callable[[Any], torch.Tensor],
+           checkpoint_units: Callable[[nn.Module], list[nn.Module]] | None = None
            ) -> tuple[Any, torch.optim.Optimizer]:
     """``(runner, optimizer)`` of ``combo`` on ``net`` (module docstring)."""
     from macroarch import compose
     from macroarch.config import DGRConfig, MacroConfig
 
     if "checkpoint" in combo:
-        _checkpoint(net)
+        _checkpoint(net, checkpoint_units)
     if "mvas" in combo:
         mvas = replace(setup.mvas, master_weights=True) if "master" in combo else setup.mvas
         dgr = DGRConfig(group_size=setup.group_size) if "dgr" in combo else DGRConfig()
@@ -211,33 +235,66 @@ def _stand_in_step(optimizer: torch.optim.Optimizer, temporaries: Callable[[torc
 
 
 def fake_step(model: Model, combo: frozenset[str], setup: Setup, batch_size: int, seq: int | None,
-              units: int | None) -> StepMemory:
+              units: int | None, stacks: dict | None = None) -> StepMemory:
     """One steady-state training step of ``combo`` on ``model`` at ``units`` depth units (None: full depth),
-    under fake tensors.
+    under fake tensors (with ``Setup.fake`` off, on real ones: the model built and randomly initialised on the
+    device, for models small enough to hold, where a real step is the faster one; CPU kernels count the same
+    bytes either way).
 
     With MVAS on a model of more than ``REAL_UPDATE_CALLS`` update chunks the optimizer's update is stood in for,
     not run: ``MVASAdamW`` updates about 2^20 elements per kernel call, and under fake tensors each call costs its
     Python dispatch (minutes for a 7B model). Each parameter's update, where the step (or DGR's hook in backward)
     would run it, allocates and frees what that update was measured to hold beside the state
     (``_update_temporaries``); it reads the gradients and writes the state in place, so nothing else changes.
-    Either way MVAS's state is created by ``init_state`` (what a first step creates, without running one)."""
+    Either way MVAS's state is created by ``init_state`` (what a first step creates, without running one).
+
+    ``stacks``: the model, its techniques and optimizer built by earlier calls (with their fake mode), by
+    everything but the batch size; one built for ``(combo, setup, units, seq)`` measures this batch's step too,
+    a steady-state step after another (the same bytes as a fresh one, without building the model, stacking the
+    techniques and creating the optimizer's state again)."""
     dtype = setup.policy.param_dtype
-    meta = model.build(units, dtype, seq)  # outside FakeTensorMode: some __init__s read values
+    key = (combo, setup_key(setup, combo), units, seq)
+    held = None if stacks is None else stacks.get(key)
+    if held is None:
+        from macroarch._compat.fake import fake_tensor_mode
+
+        mode = fake_tensor_mode() if setup.fake else contextlib.nullcontext()
+        meta = model.build(units, dtype, seq) if setup.fake else None  # outside FakeTensorMode: __init__s read values
+        parts: tuple | None = None
+    else:
+        (mode, parts), meta = held, None
 
     def build() -> tuple:
-        net = fake_module(meta)
-        batch = model.batch(batch_size, seq, setup.policy.activation_dtype)
-        runner, optimizer = _stack(net, combo, setup, lambda m: model.loss(m, batch))
-        if "mvas" in combo:
-            stand_in = _update_calls(net) > REAL_UPDATE_CALLS
-            for o in _mvas_optimizers(optimizer):
-                o.init_state()
-                if stand_in:  # measured here, before the step's tracker starts: their own allocations are not its
-                    held = {id(p): _update_temporaries(p, setup, combo) for g in o.param_groups for p in g["params"]}
-                    o.step = _stand_in_step(o, lambda p, held=held: held[id(p)])
-        return net, runner, optimizer, batch
+        nonlocal parts
+        batch = {k: v.to(setup.device) for k, v in model.batch(batch_size, seq, setup.policy.activation_dtype).items()}
+        if parts is None:
+            parts = _built(model, combo, setup, meta, units, seq, batch)
+        return (*parts, batch)
 
-    return measure_training(build, model.loss, fake=True)
+    step = measure_training(build, model.loss, mode=mode)
+    if stacks is not None:
+        stacks[key] = (mode, parts)
+    return step
+
+
+def _built(model: Model, combo: frozenset[str], setup: Setup, meta: nn.Module | None, units: int | None,
+           seq: int | None, batch: dict) -> tuple:
+    """``(net, runner, optimizer)`` of ``combo`` on ``model``, fake from ``meta`` or real, with the optimizer's
+    state (MVAS's, by ``init_state``) and MVAS's update stood in for where the model is large (``fake_step``)."""
+    if setup.fake:
+        net = fake_module(meta, setup.device)
+    else:
+        torch.manual_seed(0)
+        net = model.build(units, setup.policy.param_dtype, seq, device=setup.device)
+    runner, optimizer = _stack(net, combo, setup, lambda m: model.loss(m, batch), model.checkpoint_units)
+    if "mvas" in combo:
+        stand_in = setup.fake and _update_calls(net) > REAL_UPDATE_CALLS
+        for o in _mvas_optimizers(optimizer):
+            o.init_state()
+            if stand_in:  # measured here, before the step's tracker starts: their own allocations are not its
+                held = {id(p): _update_temporaries(p, setup, combo) for g in o.param_groups for p in g["params"]}
+                o.step = _stand_in_step(o, lambda p, held=held: held[id(p)])
+    return net, runner, optimizer
 
 
 # ----------------------------------------------------------------------------------------------- full depth
@@ -261,14 +318,19 @@ class DepthPlan:
         return bool(self.depths)
 
 
-def depth_plan(model: Model, combo: frozenset[str], setup: Setup, check: bool = True) -> DepthPlan:
+def depth_plan(model: Model, combo: frozenset[str], setup: Setup, check: bool = True,
+               depths: Sequence[int] | None = None) -> DepthPlan:
     """Three shallow depths (two without ``check``) from which ``combo`` extrapolates, or the full model.
 
     The shallowest holds two blocks (and under DGR a whole group) in each stack; with an MVAS
     ``[shallow, deep]`` policy the depths step by two units (so that ``ceil(shallow_fraction * n)`` grows by the
-    same count per step) and the full depth must lie on that grid."""
+    same count per step) and the full depth must lie on that grid; where the two shallowest hold more units than
+    the full model, it is measured whole (cheaper). ``depths`` given: those (without ``check``, the first two), ``()``
+    the full model; the caller has checked them (``check_depths``)."""
     if not model.scalable:
         return DepthPlan((), None)
+    if depths is not None:
+        return DepthPlan(tuple(depths) if check else tuple(depths)[:2], model.full_units)
     # two blocks at least: a repeated container (DGR needs one), and the first block's backward, whose temporaries
     # differ from the others', is not the only one; under DGR a whole group in each stack
     first = math.ceil(2 / min(model.unit))
@@ -277,10 +339,30 @@ def depth_plan(model: Model, combo: frozenset[str], setup: Setup, check: bool = 
     pairs = "mvas" in combo and any(not isinstance(v, str) for v in (setup.mvas.precision_policy or {}).values())
     step = 2 if pairs else 1
     first += (first % 2) if pairs else 0
-    depths = tuple(first + i * step for i in range(3 if check else 2))
-    if depths[-1] >= model.full_units or (model.full_units - first) % step:
+    picked = tuple(first + i * step for i in range(3 if check else 2))
+    # the whole model where the depths do not fit under it, or where two of them (what each size of a search
+    # measures) would cost more than it
+    if picked[-1] >= model.full_units or (model.full_units - first) % step or sum(picked[:2]) > model.full_units:
         return DepthPlan((), model.full_units)
-    return DepthPlan(depths, model.full_units)
+    return DepthPlan(picked, model.full_units)
+
+
+def check_depths(model: Model, depths: Sequence[int] | None) -> tuple[int, ...] | None:
+    """``depths`` as ``plan`` takes them: None (the planner's own), ``()`` (the full model), or two or more
+    increasing depth units up to the full depth (the first two fix the line, the others check it). ValueError
+    naming what is wrong."""
+    if depths is None:
+        return None
+    depths = tuple(depths)
+    if not depths:
+        return ()
+    if not model.scalable:
+        raise ValueError(f"{model.name}: depths={list(depths)}, but its depth is fixed (give depths=() or None)")
+    if (len(depths) < 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in depths)
+            or list(depths) != sorted(set(depths)) or depths[-1] > model.full_units):
+        raise ValueError(f"{model.name}: depths={list(depths)} must be two or more increasing depth units from 1 to "
+                         f"its {model.full_units} (one unit: {_unit_text(model)})")
+    return depths
 
 
 @dataclass(frozen=True)
@@ -294,28 +376,79 @@ class Measured:
 
 
 def measure_full(model: Model, combo: frozenset[str], setup: Setup, batch_size: int, seq: int | None,
-                 depth: DepthPlan) -> Measured:
+                 depth: DepthPlan, cache: StepCache | None = None) -> Measured:
     """``combo``'s bytes at full depth by ``depth`` (module docstring); a failed extrapolation check measures the
-    full model instead and says why."""
+    full model instead and says why. Steps already in ``cache`` are not measured again."""
+    def step(units: int | None) -> TrainingStep:
+        if cache is None:
+            return fake_step(model, combo, setup, batch_size, seq, units)
+        return cache.step(model, combo, setup, batch_size, seq, units)
+
     if depth.extrapolated:
-        reports = {d: fake_step(model, combo, setup, batch_size, seq, d) for d in depth.depths}
+        reports = {d: step(d) for d in depth.depths}
         seconds = sum(r.seconds for r in reports.values())
         try:
             peak = extrapolate_peak(reports, depth.full)
             cats = extrapolate_by_depth({d: _report(r) for d, r in reports.items()}, depth.full,
                                         constant=("gradients",) if "dgr" in combo else ())
         except ValueError as e:
-            full = fake_step(model, combo, setup, batch_size, seq, None)
+            full = step(None)
             return Measured(_as_bytes(full), f"measured at full depth (extrapolation refused: {e})",
                             DepthPlan((), depth.full), seconds + full.seconds)
         listed = ", ".join(str(d) for d in depth.depths)
-        check = "a third depth agreeing to the byte" if len(depth.depths) > 2 else "not checked on a third depth"
+        checked = depth.depths[2:]
+        check = (f"checked to the byte at {', '.join(map(str, checked))}" if checked
+                 else "not checked on a third depth")
         how = (f"extrapolated in depth from {listed} of {depth.full} depth units ({_unit_text(model)}), each phase "
                f"of the step affine on its own (the full depth's peak falls in the {peak.peak_phase} phase), {check}")
         return Measured(Bytes({CATEGORY_NAMES[k]: v for k, v in cats.items()}, peak.peak_bytes, peak.by_category,
-                              peak.peak_phase), how, depth, seconds)
-    full = fake_step(model, combo, setup, batch_size, seq, None)
+                              peak.peak_phase, dict(peak.phases)), how, depth, seconds)
+    full = step(None)
     return Measured(_as_bytes(full), "measured at full depth", depth, full.seconds)
+
+
+def setup_key(setup: Setup, combo: frozenset[str]) -> str:
+    """What of ``setup`` a step of ``combo`` depends on (the MVAS config only with ``mvas``, the group size only
+    with ``dgr``), as a key: a plain step planned beside MVAS is the plain step planned alone."""
+    return repr((setup.policy, setup.mvas if "mvas" in combo else None,
+                 setup.group_size if "dgr" in combo else None, setup.device, setup.fake))
+
+
+class StepCache:
+    """Fake-tensor steps already measured, by everything a step depends on: the model (a ``Model``, or one
+    ``dataclasses.replace`` made from it with other ``frames``), the combination, the setup, the batch, ``seq``
+    and the depth. Pass one to every ``plan`` call that shares a model (a plan per budget, per crop), so that none
+    measures a step twice; it also keeps each largest-size search's measurements (``searches``), so that a later
+    search, for another budget, starts from what the earlier ones measured (``largest_fitting`` brackets from
+    them), and each model as built with its techniques, so that a step of another batch size is measured on it
+    (``fake_step``'s ``stacks``)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple, TrainingStep] = {}
+        self._stacks: dict[tuple, dict] = {}  # per model: what fake_step built, for other batch sizes
+        self._builders: dict[int, Any] = {}  # keeps each model's builder alive, so that its id stays its own
+        self.searches: dict[tuple, Any] = {}
+        self.seconds = 0.0
+        """Wall time of the steps measured through this cache (building the model included)."""
+
+    def model_key(self, model: Model) -> tuple:
+        """The model's builder (kept alive here, so that its id stays its own) and its clip length."""
+        self._builders.setdefault(id(model.builder), model.builder)
+        return id(model.builder), model.frames
+
+    def step(self, model: Model, combo: frozenset[str], setup: Setup, batch_size: int, seq: int | None,
+             units: int | None) -> TrainingStep:
+        key = (self.model_key(model), combo, setup_key(setup, combo), batch_size, seq,
+               None if units == model.full_units else units)
+        if key not in self._steps:
+            start = time.perf_counter()
+            stacks = self._stacks.setdefault(self.model_key(model), {})
+            self._steps[key] = fake_step(model, combo, setup, batch_size, seq, units, stacks)
+            self.seconds += time.perf_counter() - start
+        return self._steps[key]
+
+    def __len__(self) -> int:
+        return len(self._steps)
 
 
 def _unit_text(model: Model) -> str:
@@ -378,5 +511,5 @@ def fsdp2_model(one: Bytes, units: Units, dense_weights: int, devices: int) -> B
                  one.phase)
 
 
-__all__ = ["CATEGORY_NAMES", "TECHNIQUES", "Bytes", "DepthPlan", "Measured", "Setup", "Units", "depth_plan",
-           "fake_step", "fsdp2_model", "fsdp_units", "measure_full"]
+__all__ = ["CATEGORY_NAMES", "TECHNIQUES", "Bytes", "DepthPlan", "Measured", "Setup", "StepCache", "Units",
+           "check_depths", "depth_plan", "fake_step", "fsdp2_model", "fsdp_units", "measure_full", "setup_key"]

@@ -58,7 +58,7 @@ def test_bad_input_is_named():
 
 def test_a_budget_below_one_sample_is_an_error():
     meas = A.Measurements("pointnet", plan=None, base={"points": 16, "classes": 8}, fake=False)
-    with pytest.raises(ValueError, match=r"0.001 GB is below the peak of one step at the smallest size \(2 clouds\)"):
+    with pytest.raises(ValueError, match=r"0.001 GB is below the peak of one step at the smallest size \(2 samples\)"):
         meas.fits([0.001], ["baseline"])
 
 
@@ -90,6 +90,55 @@ def test_depth_extrapolation_matches_the_whole_stack():
         assert meas(variant, 16).peak_bytes == whole(variant, 16).peak_bytes
         assert meas(variant, 16).by_category == whole(variant, 16).by_category
     meas.check_depth("baseline", 16, 4)  # raises if the bytes at 4 blocks are not on the line through 2 and 3
+    meas.check_depth("baseline", 16, 5)  # the whole trunk
+
+
+@pytest.mark.parametrize("name, dims, size", [
+    ("esmfold_trunk", {**TOY_TRUNK, "layers": 3}, 16),
+    ("pointnet", {"points": 32, "classes": 8}, 3),
+    ("timesformer", {"layers": 2, "width": 32, "image": 16, "classes": 4, "frames": 8}, 8),
+    ("videomae", {"layers": 2, "width": 32, "image": 16, "classes": 4, "frames": 8}, 8),
+])
+def test_the_planners_fake_steps_are_the_harness_real_steps(name, dims, size):
+    """Every variant of every application: the planner's fake-tensor step (``Measurements``, the variants as its
+    combinations, the plan as per-role rules, PointNet's T-Nets recomputed with its blocks) against a real step
+    stacked by the harness (``setup``: ``transfer_plan`` and ``compose.apply``, its own checkpointing), to the
+    byte: the peak and every category at it. One extrapolated from 2 of the trunk's 3 blocks checks the depths."""
+    plan = _plan(A.build_model(name, dims))
+    meas = A.Measurements(name, plan=plan, base=dims, video_batch=2)
+    searched = A.get_app(name).searched
+    for variant in A.VARIANTS:
+        fake = meas(variant, size)
+        real_dims = {**dims, "batch": 2 if searched == "frames" else 1, searched: size}
+        real = A.real_step(name, variant, real_dims, plan=plan)
+        assert (fake.peak_bytes, fake.by_category) == (real.peak_bytes, real.by_category), variant
+
+
+def test_pointnets_checkpointing_recomputes_its_t_nets():
+    """Issue 45: the planner's ``checkpoint`` took PointNet's blocks only (``find_repeated_layers``); the harness
+    recomputes both T-Nets too. Both hold fewer activations than the blocks alone, and the planner's equal the
+    harness's real step."""
+    from macroarch.planner import plan as plan_step
+    from macroarch.planner.models import pointnet
+
+    dims = {"points": 32, "classes": 8, "batch": 4}
+    with_t_nets = plan_step(pointnet(8), 4, 32, combinations=["checkpoint"]).combination("checkpoint").measured
+    blocks_only = dataclasses.replace(pointnet(8), checkpoint_units=None)
+    without = plan_step(blocks_only, 4, 32, combinations=["checkpoint"]).combination("checkpoint").measured
+    real = A.real_step("pointnet", "checkpoint", dims)
+    assert with_t_nets.peak == real.peak_bytes and with_t_nets.at_peak == real.by_category
+    assert with_t_nets.categories["activations"] < without.categories["activations"]
+
+
+def test_the_fit_search_against_real_steps():
+    """The planner's largest batch on a small PointNet fits a real step stacked by the harness, and one more does
+    not (``boundary_check`` raises nothing and says so)."""
+    plan = _plan(A.build_model("pointnet", {"points": 16, "classes": 8}))
+    check = A.boundary_check(90, 16, ("baseline", "mvas_dgr"), plan=plan)
+    assert check.ok and check.metrics()["fit_check_ok"] == 1
+    for b, at, above in check.rows.values():
+        assert at <= 90e6 < above and b >= 2
+    assert "WRONG" not in check.describe()
 
 
 def _fits(name, sizes):

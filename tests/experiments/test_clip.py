@@ -99,49 +99,49 @@ def test_cli_config_check(tmp_path, capsys):
         assert key in err and len(err.strip().splitlines()) == 1, err
 
 
+def _planned(variant, batch, config):
+    """The planner's fake-tensor step of ``variant`` on the tiny CLIP (the post's config: MVAS + DGR in bf16)."""
+    from macroarch.planner import plan
+
+    combo = "mvas+dgr" if variant == "post" else "plain"
+    return plan(clip.planner_model("tiny", TINY), batch, dtype="bf16_mixed" if variant == "post" else variant,
+                policy=config if variant == "post" else None, combinations=[combo]).combination(combo)
+
+
 @pytest.mark.parametrize("variant", ["fp32", "bf16_mixed", "post"])
-def test_fake_tensor_memory_equals_real_tensor_memory(variant):
-    """One step of a small CLIP, every category at the peak and at its own maximum, to the byte."""
+def test_the_planners_fake_step_is_the_harness_real_step(variant):
+    """One step of a small CLIP: the planner's, under fake tensors, against one stacked by the harness and run on
+    real tensors (``real_step``), every category at the peak and each one's own maximum, to the byte."""
     config = load_config(clip.post_config_path())
-    real = clip.StepMeter(TINY, variant, config, fake=False)(4)
-    fake = clip.StepMeter(TINY, variant, config, fake=True)(4)
+    real = clip.real_step(TINY, variant, config, 4, "bfloat16")
+    fake = clip.step_memory(_planned(variant, 4, config))
     assert real.peak_bytes == fake.peak_bytes and real.by_category == fake.by_category
-    assert real.max_by_category == fake.max_by_category
+    assert all(real.max_by_category[k] == v for k, v in fake.max_by_category.items())
     assert set(real.by_category) == set(CATEGORIES)
     assert real.max_by_category["parameters"] > 0 and real.max_by_category["activations"] > 0
     assert (real.max_by_category["master_weights"] > 0) == (variant == "bf16_mixed")
-
-
-def test_find_batch_at_on_affine_and_curved_peaks():
-    calls = []
-
-    def affine(b):
-        calls.append(b)
-        return 1000 + 37 * b
-
-    start = {8: affine(8), 16: affine(16)}
-    b = clip.find_batch_at(affine, start, 10_000)
-    assert b == (10_000 - 1000) // 37 and len(calls) <= 3
-
-    def curved(b):  # the contrastive logits grow as b^2
-        return 1000 + 37 * b + 3 * b * b
-
-    b = clip.find_batch_at(curved, {8: curved(8), 16: curved(16)}, 1e7)
-    assert curved(b) <= 1e7 < curved(b + 1)
-    with pytest.raises(ValueError, match="needs more than"):
-        clip.find_batch_at(affine, {8: affine(8), 16: affine(16)}, 100)
+    pairs = clip.small_memory(TINY, config, 4, "bfloat16")
+    assert set(pairs) == {"bf16_mixed", "post"} and "real = fake" in clip.memory_table(pairs)
+    wrong = {"bf16_mixed": (pairs["bf16_mixed"][0], pairs["post"][1])}
+    with pytest.raises(AssertionError, match="differ"):
+        clip.memory_table(wrong)
 
 
 def test_memory_sweep_finds_the_batch_at_the_target():
+    """The largest batch whose step fits the target: it fits, one more does not (both measured on real tensors by
+    the harness, independently of the planner), and the post's config is measured there."""
     config = load_config(clip.post_config_path())
     sweep = clip.memory_sweep(["small"], [16, 64], config, baselines=["bf16_mixed"], target_gb=0.004, small=TINY)
     b = sweep.at_target["small", "bf16_mixed"]
-    assert sweep.peak("small", "bf16_mixed", b) <= 0.004e9
-    assert clip.StepMeter(TINY, "bf16_mixed", config, fake=True)(b + 1).peak_bytes > 0.004e9
+    assert clip.real_step(TINY, "bf16_mixed", config, b, "bfloat16").peak_bytes <= 0.004e9
+    assert clip.real_step(TINY, "bf16_mixed", config, b + 1, "bfloat16").peak_bytes > 0.004e9
     assert ("small", "post", b) in sweep.points and 0 < sweep.reduction("small", "bf16_mixed") < 1
+    assert sweep.peak("small", "post", 16) == clip.real_step(TINY, "post", config, 16, "bfloat16").peak_bytes
     m = sweep.metrics()
     assert m["memory_reduction"] == sweep.reduction("small", "bf16_mixed") and m["small_batch_at_target"] == b
-    assert "*" in sweep.table()
+    assert "*" in sweep.table() and "fake tensors" in sweep.table()
+    with pytest.raises(ValueError, match="below the peak of one step"):
+        clip.memory_sweep(["small"], [16, 64], config, baselines=["bf16_mixed"], target_gb=1e-6, small=TINY)
 
 
 def test_retrieval_counts_captions_of_equal_scenes_as_hits():

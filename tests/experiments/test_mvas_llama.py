@@ -16,7 +16,7 @@ from macroarch import mvas
 from macroarch.dgr import DGRWrapper
 from macroarch.experiments import mvas_llama as ml
 from macroarch.experiments.loop import train_round_robin
-from macroarch.measure.memory import CATEGORIES, MemoryReport, PhasePeak, measure_training_step, parameter_count
+from macroarch.measure.memory import CATEGORIES, measure_training_step, parameter_count
 from macroarch.measure.stats import Repeated
 from macroarch.measure.workload import lm_loss
 from macroarch.models import get_model_spec
@@ -161,42 +161,76 @@ def test_fp32_compute_gives_the_fp32_adamw_baseline():
     assert all(p.dtype == torch.float32 for p in run.stacks["AdamW fp32"].module.parameters())
 
 
-def _report(phases):
-    peaks = {name: PhasePeak(sum(cats.values()), cats) for name, cats in phases.items()}
-    top = max(peaks.values(), key=lambda p: p.peak_bytes)
-    return MemoryReport("m", "p", 1, 1, "cpu", True, top.peak_bytes, top.by_category, {}, peaks, {}, 0.0)
+def _real_step(model: str, plan, dgr: bool = False):
+    """The arbiter: one real-tensor step of ``model`` measured by the older, independent ``measure_training_step``;
+    with ``plan``, MVAS (+ DGR) as the harness stacked it before the planner: ``transfer_plan(depth="uniform")`` on
+    the built model and ``compose.apply`` (DGR groups of one layer from one forward on an example)."""
+    from macroarch import compose
+    from macroarch.config import DGRConfig, MacroConfig
+
+    def prepare(net):
+        moved = mvas.transfer_plan(plan, net, depth="uniform")
+        ids = torch.randint(0, 100, (1, 8))
+        config = MacroConfig(dgr=DGRConfig(group_size=1)) if dgr else MacroConfig()
+        stack = compose.apply(net, config, plan=moved, example_inputs=dict(input_ids=ids, labels=ids) if dgr else None,
+                              seed=0)
+        return stack.model, stack.optimizer
+
+    torch.manual_seed(0)
+    return measure_training_step(get_model_spec(model), 1, 16, ml.BIG_PRECISION, fake=False, device="cpu",
+                                 prepare=None if plan is None else prepare)
 
 
-def test_peak_by_depth_takes_the_largest_extrapolated_phase_and_refuses_a_non_affine_one():
-    def phases(d):  # the optimizer phase (a large constant temporary) peaks at small depth, backward at full depth
-        return dict(backward=dict(parameters=100 + 10 * d, activations=7 * d),
-                    optimizer=dict(parameters=100 + 10 * d, temporaries=300))
-
-    reports = {d: _report(phases(d)) for d in (1, 2, 3)}
-    assert all(reports[d].by_category == phases(d)["optimizer"] for d in (1, 2, 3))
-    peak, by = ml.peak_by_depth(reports, 80)
-    assert by == phases(80)["backward"] and peak == sum(phases(80)["backward"].values())
-    bad = phases(3)
-    bad["backward"]["activations"] += 5
-    reports[3] = _report(bad)
-    with pytest.raises(ValueError, match="backward phase.*not affine"):
-        ml.peak_by_depth(reports, 80)
-
-
-def test_full_size_memory_is_the_measured_peak_on_a_tiny_stand_in():
+def test_full_size_memory_is_the_measured_peak_of_a_real_step():
+    """The planner's fake-tensor peaks (the whole tiny stand-in: shallower than the depths) against real steps
+    stacked by hand, to the byte: the peak and every category at it."""
     small = _small()
     plan = ml.first_plan(small)
     settings = dataclasses.replace(SETTINGS, depths=(2, 3, 4), big_seq_len=16)
-    big = ml.measure_memory(settings, plan, "llama_65b_tiny", check_full_depth=True)  # asserts the extrapolation
-    full = measure_training_step(get_model_spec("llama_65b_tiny"), 1, 16, ml.BIG_PRECISION, fake=True, device="cpu")
-    assert big.baseline_peak == full.peak_bytes and big.baseline == full.by_category
+    big = ml.measure_memory(settings, plan, "llama_65b_tiny", check_full_depth=True)
+    assert big.depths == () and not big.full_depth_checked  # 2 layers: measured whole, nothing to check
+    base, packed = _real_step("llama_65b_tiny", None), _real_step("llama_65b_tiny", plan)
+    assert (big.baseline_peak, big.baseline) == (base.peak_bytes, base.by_category)
+    assert (big.mvas_peak, big.mvas) == (packed.peak_bytes, packed.by_category)
     assert sum(big.baseline.values()) == big.baseline_peak and set(big.baseline) == set(CATEGORIES)
-    assert sum(full.max_by_category.values()) > full.peak_bytes  # what a sum of maxima would have called the total
+    assert sum(base.max_by_category.values()) > base.peak_bytes  # what a sum of maxima would have called the total
     assert big.reduction == 1 - big.mvas_peak / big.baseline_peak > 0.3
-    c1 = ml.measure_memory(settings, plan, "llama_10b_tiny", dgr=True)  # from 2 layers: affine once there are 2 groups
+    metrics = ml.memory_metrics(big, "mvas")
+    assert metrics["baseline_bytes"] == base.peak_bytes and metrics["mvas_bytes"] == packed.peak_bytes
+
+
+def test_extrapolated_memory_is_checked_at_full_depth_and_matches_real_steps():
+    """From 1 and 2 of llama_10b_tiny's 3 layers (the planner's depths), the baseline checked against the whole
+    model to the byte; the peaks, with and without DGR, those of real steps of the whole model."""
+    small = _small()
+    plan = ml.first_plan(small)
+    settings = dataclasses.replace(SETTINGS, depths=(1, 2), big_seq_len=16)
+    big = ml.measure_memory(settings, plan, "llama_10b_tiny", check_full_depth=True)
+    assert big.depths == (1, 2) and big.full_depth_checked and "extrapolated" in big.how
+    assert "to the byte" in big.text()
+    base, packed = _real_step("llama_10b_tiny", None), _real_step("llama_10b_tiny", plan)
+    assert (big.baseline_peak, big.baseline) == (base.peak_bytes, base.by_category)
+    assert (big.mvas_peak, big.mvas) == (packed.peak_bytes, packed.by_category)
+    c1 = ml.measure_memory(settings, plan, "llama_10b_tiny", dgr=True)
     assert c1.variant == "MVAS + DGR" and sum(c1.mvas.values()) == c1.mvas_peak
-    metrics = ml.memory_metrics(c1, "mvas_dgr")
-    assert metrics["baseline_bytes"] == c1.baseline_peak and metrics["mvas_dgr_bytes"] == c1.mvas_peak
+    dgr = _real_step("llama_10b_tiny", plan, dgr=True)
+    assert (c1.mvas_peak, c1.mvas) == (dgr.peak_bytes, dgr.by_category)
+    assert c1.mvas["gradients"] < big.mvas["gradients"] or c1.mvas_peak < big.mvas_peak  # DGR frees per layer
+
+
+def test_the_plan_reaches_the_full_size_model_by_role():
+    """The role rules the planner gets give every tensor of the full-size model the format ``transfer_plan`` gives
+    it (each role's most common format, the same in every layer)."""
+    from macroarch import compose
+    from macroarch.config import MacroConfig, MVASConfig
+    from macroarch.planner.roles import rules_from_plan
+
+    plan = ml.first_plan(_small())
+    net = get_model_spec("llama_10b").build(device="meta", dtype=torch.bfloat16)
+    expected = {t.name: (t.format, t.block_size) for t in mvas.transfer_plan(plan, net, depth="uniform").tensors}
+    got = compose.precision_plan(net, MacroConfig(mvas=MVASConfig(precision_policy=rules_from_plan(plan))))
+    assert {t.name: (t.format, t.block_size) for t in got.tensors} == expected
+    assert len({f for f, _ in expected.values()}) > 1  # a mix of formats, not one
 
 
 def _big(activations):
@@ -204,7 +238,7 @@ def _big(activations):
     cats = dict.fromkeys(CATEGORIES, 0)
     base, packed = dict(cats, parameters=16 * n, activations=int(activations)), dict(cats, parameters=4 * n)
     return ml.BigMemory("llama_65b", n, 80, 1, 2048, sum(base.values()), sum(packed.values()), base, packed, False,
-                        False)
+                        False, (2, 3, 4))
 
 
 def test_accountings_find_the_one_that_gives_320_gb():
@@ -325,15 +359,6 @@ def test_the_harness_does_not_import_the_reproduction_layer():
     assert not [m for m in imported if m and m.startswith("macroarch.repro")]
 
 
-def test_peak_by_depth_and_extrapolate_by_depth_share_one_affine_fit():
-    from macroarch.measure.memory import measured
-
-    assert ml.affine_in_depth is measured.affine_in_depth
-    assert measured.affine_in_depth({2: {"a": 10}, 4: {"a": 20}}, 80) == {"a": 400}
-    with pytest.raises(ValueError, match="the x phase: a: bytes are not affine"):
-        measured.affine_in_depth({2: {"a": 10}, 4: {"a": 20}, 5: {"a": 26}}, 80, "the x phase")
-
-
 @pytest.mark.parametrize("dtype, name", [("float32", "AdamW fp32"), ("bfloat16", "AdamW bf16 + fp32 master")])
 def test_baseline_is_named_by_the_compute_dtype(dtype, name):
     assert ml.baseline_name(dtype) == name
@@ -346,6 +371,8 @@ def test_settings_name_the_field_that_is_wrong():
         dataclasses.replace(SETTINGS, importance_batches=7)  # more than the 6 training batches
     with pytest.raises(ValueError, match="depths"):
         dataclasses.replace(SETTINGS, depths=(2,))  # one depth cannot be extrapolated
+    with pytest.raises(ValueError, match="depths"):
+        dataclasses.replace(SETTINGS, depths=(3, 2))  # the planner takes them increasing
     with pytest.raises(ValueError, match="seeds"):
         dataclasses.replace(SETTINGS, seeds=0)
     with pytest.raises(ValueError, match="steps"):

@@ -15,6 +15,7 @@ from macroarch.measure.memory.analytic import (
     format_bytes,
     get_precision,
     korthikanti_activation_bytes,
+    loss_temporary_bytes,
     parameter_count,
     training_state_bytes,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "format_bytes",
     "get_precision",
     "korthikanti_activation_bytes",
+    "loss_temporary_bytes",
     "measure_step",
     "measure_training_step",
     "parameter_count",

@@ -358,6 +358,16 @@ def activation_bytes(
     }
 
 
+def loss_temporary_bytes(model: ModelSpec | TransformerShape, batch_size: int, seq_len: int) -> int:
+    """Bytes the causal-LM loss holds while it runs beyond what it keeps for backward: the fp32 copy of the logits
+    it takes the log-softmax of (``4*b*s*V``) and, for ``b > 1``, the labels padded by one before they are sliced
+    (``8*b*(s + 1)``; for ``b = 1`` the slice keeps that storage, counted in ``activation_terms``). So the largest
+    the activations get in one step, the loss computing, is ``activation_bytes(...)["total"]`` plus these."""
+    s = _as_shape(model)
+    padded = 8 * batch_size * (seq_len + 1) if batch_size > 1 else 0
+    return 4 * batch_size * seq_len * s.vocab_size + padded
+
+
 def korthikanti_activation_bytes(model: ModelSpec | TransformerShape, batch_size: int, seq_len: int) -> int:
     """Korthikanti et al. 2022, eq. 2, all layers: ``L * s*b*h*(34 + 5*a*s/h)`` bytes (16-bit, GPT layer).
 
