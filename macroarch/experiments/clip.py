@@ -713,8 +713,10 @@ def small_memory(cfg: Mapping[str, Any], config: MacroConfig, batch_size: int, c
     out = {}
     for v in (training_baseline(compute_dtype), "post"):
         combo = "mvas+dgr" if v == "post" else "plain"
-        fake = plan(planner_model("small", cfg), batch_size, dtype="bf16_mixed" if v == "post" else v,
-                    policy=config if v == "post" else None, combinations=[combo]).combination(combo)
+        # the post's config computes in the baseline's dtype (float32 where bf16 is emulated): its recipe too
+        recipe = training_baseline(compute_dtype) if v == "post" else v
+        fake = plan(planner_model("small", cfg), batch_size, dtype=recipe, policy=config if v == "post" else None,
+                    combinations=[combo]).combination(combo)
         out[v] = (real_step(cfg, v, config, batch_size, compute_dtype, device), step_memory(fake))
     return out
 

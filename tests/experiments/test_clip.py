@@ -122,6 +122,9 @@ def test_the_planners_fake_step_is_the_harness_real_step(variant):
     assert (real.max_by_category["master_weights"] > 0) == (variant == "bf16_mixed")
     pairs = clip.small_memory(TINY, config, 4, "bfloat16")
     assert set(pairs) == {"bf16_mixed", "post"} and "real = fake" in clip.memory_table(pairs)
+    # where bf16 is emulated the post's config computes in fp32: the planner's fake step too (it took bf16's recipe)
+    in_fp32 = clip.small_memory(TINY, config, 4, "float32")
+    assert set(in_fp32) == {"fp32", "post"} and "real = fake" in clip.memory_table(in_fp32)
     wrong = {"bf16_mixed": (pairs["bf16_mixed"][0], pairs["post"][1])}
     with pytest.raises(AssertionError, match="differ"):
         clip.memory_table(wrong)
