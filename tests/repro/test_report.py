@@ -462,3 +462,44 @@ def test_a_caption_says_what_the_figure_shows():
     assert sections.figure_caption("C4", "a", rec) == f"C4, a: {text}"
     # a record from before captions were kept: the registry's account of the measurement, not the file name
     assert CLAIMS["C4"].measures in sections.figure_caption("C4", "b", rec)
+
+
+def test_a_tall_figure_and_its_caption_stay_above_the_page_number(tmp_path):
+    """A figure taller than wide with a long caption ran into the footer over the page number (C6's, page 24 of the
+    cpu paper): Typst cannot break a figure, so the image is given a height that leaves its caption room."""
+    import pypdfium2 as pdfium
+
+    from macroarch.repro.report.document import Document, Figure, Para, Section
+    from macroarch.repro.report.typst import figure_size
+
+    fig, ax = plt.subplots(figsize=(7.8, 11.1))  # C6's shape (C9's and C14's are taller)
+    ax.plot([0, 1], [0, 1])
+    ax.set(xlabel="x (1)", ylabel="y (1)")
+    (tmp_path / "figures").mkdir()
+    fig.savefig(tmp_path / "figures" / "tall.png", dpi=60)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 3))
+    fig.savefig(tmp_path / "figures" / "wide.png", dpi=60)
+    plt.close(fig)
+    caption = "Figure text, long as C6's. " * 30 + "END"
+    assert figure_size(tmp_path / "figures" / "wide.png", caption) == "width: 100%"
+    assert figure_size(tmp_path / "figures" / "tall.png", caption).startswith("height: ")
+    assert figure_size(tmp_path / "nothing.png", caption) == "width: 100%"  # unreadable: as before
+
+    doc = Document("T", [Para("head")], [Section("One", [Figure("figures/tall.png", "a tall figure", caption)])])
+    pdf = pdfium.PdfDocument(report.write_pdf(doc, tmp_path, tmp_path / "t.pdf"))
+    for page in pdf:
+        text = page.get_textpage()
+        words = text.get_text_range()
+        if "END" not in words:
+            continue
+        end = words.index("END")
+        caption_bottom = min(text.get_charbox(i)[1] for i in range(end, end + 3))
+        number = words.rstrip().rsplit(None, 1)[-1]
+        assert number.isdigit()
+        at = words.rstrip().rindex(number)
+        number_top = max(text.get_charbox(i)[3] for i in range(at, at + len(number)))
+        assert caption_bottom > number_top  # PDF y grows upwards: the caption ends above the number
+        break
+    else:
+        pytest.fail("the caption is not in the PDF")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import struct
 from pathlib import Path
 
 from macroarch.repro.report.document import (
@@ -41,6 +42,36 @@ _PREAMBLE = """\
 """
 
 
+# The page's text block (A4, the margins above) in mm, and what a caption line takes at 9 pt.
+_TEXT_WIDTH_MM, _TEXT_HEIGHT_MM = 170.0, 252.6
+_CAPTION_LINE_MM, _CAPTION_CHARS_PER_LINE = 4.4, 115
+
+
+def _png_size(path: Path) -> tuple[int, int] | None:
+    """Width and height of a PNG from its header, or None if ``path`` is no readable PNG."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError:
+        return None
+    if len(head) < 24 or head[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    return struct.unpack(">II", head[16:24])
+
+
+def figure_size(path: Path | None, caption: str) -> str:
+    """The image's Typst size: the text width, unless the image and its caption would then be taller than the page
+    (a figure cannot break across pages: Typst lets it run into the footer, over the page number); then a height
+    that leaves the caption its lines."""
+    size = _png_size(path) if path is not None else None
+    if size is None or size[0] == 0:
+        return "width: 100%"
+    lines = -(-len(caption) // _CAPTION_CHARS_PER_LINE)
+    room = _TEXT_HEIGHT_MM - 12 - lines * _CAPTION_LINE_MM  # 12 mm: the gap above the caption and the page's slack
+    height = _TEXT_WIDTH_MM * size[1] / size[0]
+    return "width: 100%" if height <= room else f"height: {max(room, 100.0):.0f}mm"
+
+
 def _s(text: str) -> str:
     """A Typst string literal."""
     return json.dumps(str(text), ensure_ascii=False)
@@ -68,7 +99,9 @@ def inline(text: str, *, breakable: bool = False) -> str:
     return "".join(parts)
 
 
-def block(b: Block) -> str:
+def block(b: Block, root: Path | None = None) -> str:
+    """``b`` as Typst; ``root``: the paper folder, where figures are read to size them (else each takes the text
+    width)."""
     if isinstance(b, Para):
         return inline(b.text) + "\n"
     if isinstance(b, Quote):
@@ -79,7 +112,8 @@ def block(b: Block) -> str:
         return f"#block(fill: luma(245), inset: 6pt, radius: 2pt, width: 100%)[#raw({_s(b.text)}, block: true)]\n"
     if isinstance(b, Figure):
         cap = f", caption: [{inline(b.caption or b.alt)}]"
-        return f"#figure(image({_s(b.path)}, width: 100%){cap})\n"
+        size = figure_size(None if root is None else root / b.path, b.caption or b.alt)
+        return f"#figure(image({_s(b.path)}, {size}){cap})\n"
     if isinstance(b, Table):
         widths = ", ".join(f"{w:g}fr" for w in (b.widths or (1,) * len(b.head)))
         cells = [f"[#strong({_s(h)})]" for h in b.head]
@@ -92,20 +126,21 @@ def block(b: Block) -> str:
     raise TypeError(f"no Typst for block {type(b).__name__}")
 
 
-def _section(s: Section, level: int) -> str:
+def _section(s: Section, level: int, root: Path | None) -> str:
     out = [f"#heading(level: {level})[{inline(s.title)}] <{s.label()}>\n"]
-    out += [block(b) for b in s.blocks]
-    out += [_section(sub, level + 1) for sub in s.subsections]
+    out += [block(b, root) for b in s.blocks]
+    out += [_section(sub, level + 1, root) for sub in s.subsections]
     return "\n".join(out)
 
 
-def to_typst(doc: Document) -> str:
-    """The report as Typst source: title, provenance header, contents (two levels), numbered sections."""
+def to_typst(doc: Document, root: Path | None = None) -> str:
+    """The report as Typst source: title, provenance header, contents (two levels), numbered sections. ``root``:
+    the paper folder (figures' paths are relative to it), read to keep each figure and its caption on one page."""
     parts = [_PREAMBLE.format(title=_s(doc.title)),
              f"#align(center, text(size: 17pt, weight: \"bold\")[{inline(doc.title)}])\n"]
-    parts += [block(b) for b in doc.header]
+    parts += [block(b, root) for b in doc.header]
     parts.append("#outline(depth: 2, indent: auto)\n#pagebreak()\n")
-    parts += [_section(s, 1) for s in doc.sections]
+    parts += [_section(s, 1, root) for s in doc.sections]
     return "\n".join(parts)
 
 
@@ -118,7 +153,7 @@ def write_pdf(doc: Document, paper: Path, out: Path, *, when: _dt.datetime | Non
         raise RuntimeError("the PDF needs the typst package (pinned in requirements.txt: pip install typst==0.15.0); "
                            "reproduction.md is written, or build without the PDF (pdf=False)") from None
 
-    source = to_typst(doc)
+    source = to_typst(doc, paper)
     tmp_src = paper / ".reproduction.typ"
     tmp_pdf = out.with_name(f".{out.name}.partial")
     tmp_src.write_text(source, encoding="utf-8")
