@@ -1149,22 +1149,28 @@ def _frames_panel(ax: Any, fits: Sequence[FitTable], target: Any) -> None:
 
 def plot_c14(tables: Sequence[SizeTable], fits: Sequence[FitTable], trains: Sequence[PairedSeeds],
              targets: Sequence[Any]) -> Any:
-    """C14: each video model's step by category and what fits, the graded frames per cell against 128
-    (``targets``: ``get_claim("C14").targets``), the graded quality and the small runs' losses."""
-    t = _targets(targets)
-    rows = len(tables) + 2
-    fig, axes = _figure(rows, "C14: the longest clip of the video models with and without MVAS + DGR")
+    """C14's memory: each video model's step by category and what fits (a row per model). The graded panels are
+    :func:`plot_c14_graded`'s (one figure of both was taller than a page: the PDF shrank it past reading).
+    ``trains`` and ``targets`` are :func:`plot_c14_graded`'s, taken here so both calls read alike."""
+    fig, axes = _figure(len(tables), "C14: the video models' training step with and without MVAS + DGR")
     panels = iter(axes)
     for table, fit in zip(tables, fits, strict=True):
         _category_panel(next(panels), table)
         _fit_panel(next(panels), fit)
-    _frames_panel(next(panels), fits, t["max_frames"])
-    _quality_panel(next(panels), trains, t["held_out_loss_change"])
-    _loss_panel(next(panels), trains)
-    _held_out_panel(next(panels), trains)
-    for ax in panels:
-        ax.set_visible(False)
     _category_legend(fig, axes[0])
+    return fig
+
+
+def plot_c14_graded(tables: Sequence[SizeTable], fits: Sequence[FitTable], trains: Sequence[PairedSeeds],
+                    targets: Sequence[Any]) -> Any:
+    """C14's graded numbers: the frames per cell against 128 (``targets``: ``get_claim("C14").targets``), the
+    graded quality and the small runs' losses."""
+    t = _targets(targets)
+    fig, (frames, quality, loss, held) = _figure(2, "C14: the longest clip with and without MVAS + DGR, and quality")
+    _frames_panel(frames, fits, t["max_frames"])
+    _quality_panel(quality, trains, t["held_out_loss_change"])
+    _loss_panel(loss, trains)
+    _held_out_panel(held, trains)
     return fig
 
 

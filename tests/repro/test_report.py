@@ -470,7 +470,7 @@ def test_a_tall_figure_and_its_caption_stay_above_the_page_number(tmp_path):
     import pypdfium2 as pdfium
 
     from macroarch.repro.report.document import Document, Figure, Para, Section
-    from macroarch.repro.report.typst import figure_size
+    from macroarch.repro.report.typst import figure_layout, figure_size
 
     fig, ax = plt.subplots(figsize=(7.8, 11.1))  # C6's shape (C9's and C14's are taller)
     ax.plot([0, 1], [0, 1])
@@ -481,10 +481,14 @@ def test_a_tall_figure_and_its_caption_stay_above_the_page_number(tmp_path):
     fig, ax = plt.subplots(figsize=(8, 3))
     fig.savefig(tmp_path / "figures" / "wide.png", dpi=60)
     plt.close(fig)
-    caption = "Figure text, long as C6's. " * 30 + "END"
+    caption = "C6, variance: " + "Figure text, long as C6's. " * 30 + "END"
     assert figure_size(tmp_path / "figures" / "wide.png", caption) == "width: 100%"
-    assert figure_size(tmp_path / "figures" / "tall.png", caption).startswith("height: ")
     assert figure_size(tmp_path / "nothing.png", caption) == "width: 100%"  # unreadable: as before
+    # the long description follows as a paragraph (it can break across pages): the image keeps most of its width
+    size, short, after = figure_layout(tmp_path / "figures" / "tall.png", caption)
+    assert (short, after) == ("C6, variance", caption.removeprefix("C6, variance: "))
+    assert size == "width: 100%" or float(size.removeprefix("height: ").removesuffix("mm")) >= 225
+    assert figure_layout(tmp_path / "figures" / "wide.png", caption)[1:] == (caption, "")
 
     doc = Document("T", [Para("head")], [Section("One", [Figure("figures/tall.png", "a tall figure", caption)])])
     pdf = pdfium.PdfDocument(report.write_pdf(doc, tmp_path, tmp_path / "t.pdf"))

@@ -59,17 +59,31 @@ def _png_size(path: Path) -> tuple[int, int] | None:
     return struct.unpack(">II", head[16:24])
 
 
-def figure_size(path: Path | None, caption: str) -> str:
-    """The image's Typst size: the text width, unless the image and its caption would then be taller than the page
-    (a figure cannot break across pages: Typst lets it run into the footer, over the page number); then a height
-    that leaves the caption its lines."""
+def _caption_mm(caption: str) -> float:
+    return -(-len(caption) // _CAPTION_CHARS_PER_LINE) * _CAPTION_LINE_MM
+
+
+def figure_layout(path: Path | None, caption: str) -> tuple[str, str, str]:
+    """``(size, caption, after)``: the image's Typst size, the caption under it and a description set as a paragraph
+    after the figure. A figure cannot break across pages (Typst lets it run into the footer, over the page number),
+    so where the image at the text width and its whole caption are taller than the page, the caption under the image
+    is its name (up to the first ": ") and the rest follows as a paragraph, which can break; the image keeps the text
+    width where that fits the page, else the height that does."""
     size = _png_size(path) if path is not None else None
     if size is None or size[0] == 0:
-        return "width: 100%"
-    lines = -(-len(caption) // _CAPTION_CHARS_PER_LINE)
-    room = _TEXT_HEIGHT_MM - 12 - lines * _CAPTION_LINE_MM  # 12 mm: the gap above the caption and the page's slack
+        return "width: 100%", caption, ""
     height = _TEXT_WIDTH_MM * size[1] / size[0]
-    return "width: 100%" if height <= room else f"height: {max(room, 100.0):.0f}mm"
+    if height <= _TEXT_HEIGHT_MM - 12 - _caption_mm(caption):  # 12 mm: the gap above the caption, the page's slack
+        return "width: 100%", caption, ""
+    name, sep, rest = caption.partition(": ")
+    short, after = (name, rest) if sep else (caption, "")
+    room = _TEXT_HEIGHT_MM - 12 - _caption_mm(short)
+    return ("width: 100%" if height <= room else f"height: {room:.0f}mm"), short, after
+
+
+def figure_size(path: Path | None, caption: str) -> str:
+    """The image's Typst size (:func:`figure_layout`)."""
+    return figure_layout(path, caption)[0]
 
 
 def _s(text: str) -> str:
@@ -111,9 +125,9 @@ def block(b: Block, root: Path | None = None) -> str:
     if isinstance(b, Code):
         return f"#block(fill: luma(245), inset: 6pt, radius: 2pt, width: 100%)[#raw({_s(b.text)}, block: true)]\n"
     if isinstance(b, Figure):
-        cap = f", caption: [{inline(b.caption or b.alt)}]"
-        size = figure_size(None if root is None else root / b.path, b.caption or b.alt)
-        return f"#figure(image({_s(b.path)}, {size}){cap})\n"
+        size, caption, after = figure_layout(None if root is None else root / b.path, b.caption or b.alt)
+        out = f"#figure(image({_s(b.path)}, {size}), caption: [{inline(caption)}])\n"
+        return out + (f"#text(size: 9pt)[{inline(after)}]\n" if after else "")
     if isinstance(b, Table):
         widths = ", ".join(f"{w:g}fr" for w in (b.widths or (1,) * len(b.head)))
         cells = [f"[#strong({_s(h)})]" for h in b.head]
