@@ -1069,10 +1069,11 @@ def _graded_bars(ax: Any, labels: Sequence[str], values: Sequence[float], *, tar
     ax.set_xlim(-0.6, len(values) - 0.4)
 
 
-def _figure(rows: int, title: str) -> tuple[Any, list[Any]]:
+def _figure(rows: int, title: str, extra: float = 0.4) -> tuple[Any, list[Any]]:
+    """``rows`` x 2 panels, 3.6 in a row; ``extra``: inches for the title and a figure legend."""
     import matplotlib.pyplot as plt
 
-    fig, grid = plt.subplots(rows, 2, figsize=(_WIDTH, 3.6 * rows + 0.4), layout="constrained", squeeze=False)
+    fig, grid = plt.subplots(rows, 2, figsize=(_WIDTH, 3.6 * rows + extra), layout="constrained", squeeze=False)
     fig.suptitle(title, fontsize=11)
     return fig, list(grid.flat)
 
@@ -1152,7 +1153,8 @@ def plot_c14(tables: Sequence[SizeTable], fits: Sequence[FitTable], trains: Sequ
     """C14's memory: each video model's step by category and what fits (a row per model). The graded panels are
     :func:`plot_c14_graded`'s (one figure of both was taller than a page: the PDF shrank it past reading).
     ``trains`` and ``targets`` are :func:`plot_c14_graded`'s, taken here so both calls read alike."""
-    fig, axes = _figure(len(tables), "C14: the video models' training step with and without MVAS + DGR")
+    # the categories' legend under the panels takes a row's share that one or two rows cannot spare
+    fig, axes = _figure(len(tables), "C14: the video models' training step with and without MVAS + DGR", extra=1.4)
     panels = iter(axes)
     for table, fit in zip(tables, fits, strict=True):
         _category_panel(next(panels), table)

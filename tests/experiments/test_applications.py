@@ -394,3 +394,6 @@ def test_c13_and_c14_figures_mark_their_targets_inside_the_frame():
     assert _lines_at(graded.axes[0], 128.0)
     fig.clf()
     graded.clf()
+    one = A.plot_c14(args[0][:1], args[1][:1], args[2][:1], args[3])  # the ci profile's one video model
+    assert figure_problems(one) == []
+    one.clf()
