@@ -507,3 +507,39 @@ def test_a_tall_figure_and_its_caption_stay_above_the_page_number(tmp_path):
         break
     else:
         pytest.fail("the caption is not in the PDF")
+
+
+# modules a harness imports that print or lay out but measure nothing
+_NOT_MEASURING = {"macroarch/_progress.py", "macroarch/_table.py", "macroarch/paths.py", "macroarch/__init__.py"}
+
+
+def test_each_claims_code_paths_hold_every_module_its_harness_imports():
+    """The paper flags a claim whose measured code changed since its run by ``CODE_PATHS``; the notebooks that size
+    full models moved onto ``macroarch.planner`` and the paths did not follow, so a planner change would have gone
+    unflagged. Every macroarch module a claim's harness imports (at the top or inside a function) is in its paths."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def module_file(name):
+        parts = name.split(".")
+        for k in range(len(parts), 0, -1):
+            base = root.joinpath(*parts[:k])
+            if base.with_suffix(".py").is_file():
+                return base.with_suffix(".py").relative_to(root).as_posix()
+            if (base / "__init__.py").is_file():
+                return (base / "__init__.py").relative_to(root).as_posix()
+        raise AssertionError(name)
+
+    for cid, paths in provenance.CODE_PATHS.items():
+        harness = next(p for p in paths if p.startswith("macroarch/experiments/") and p not in (
+            "macroarch/experiments/loop.py", "macroarch/experiments/settings.py"))
+        tree = ast.parse((root / harness).read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                 and n.module.startswith("macroarch")}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                  if a.name.startswith("macroarch")}
+        missing = sorted({f for f in map(module_file, names) if f not in _NOT_MEASURING and not any(
+            f == p or (p.endswith("/") and f.startswith(p)) for p in paths)})
+        assert not missing, f"{cid}: {harness} imports {missing}, not in CODE_PATHS"

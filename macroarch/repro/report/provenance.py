@@ -22,24 +22,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SHARED = ("macroarch/experiments/loop.py", "macroarch/experiments/settings.py", "macroarch/measure/machine.py",
-           "macroarch/repro/claims.py", "macroarch/measure/stats.py", "papermill_runs/cpu.yaml")
-_MVAS_DGR = ("macroarch/mvas/", "macroarch/dgr/", "macroarch/optim/", "macroarch/compose.py", "macroarch/config.py")
+           "macroarch/repro/claims.py", "macroarch/measure/stats.py", "macroarch/measure/workload.py",
+           "papermill_runs/cpu.yaml")
+_MVAS_DGR = ("macroarch/mvas/", "macroarch/dgr/", "macroarch/optim/", "macroarch/compose.py", "macroarch/config.py",
+             "macroarch/layers.py")
+# the notebooks that size full models do it through the planner (02, 05, 10, 11)
+_PLANNER = ("macroarch/planner/", "macroarch/measure/fit.py")
+# notebook 01's harness serves C2, C3 and R1: what it imports belongs to all three
+_GRADIENTS = ("macroarch/measure/gradients.py", "macroarch/measure/clipping.py", "macroarch/models/", "macroarch/data/")
 
 CODE_PATHS: dict[str, tuple[str, ...]] = {
-    "C1": ("notebooks/05_mvas_llama.ipynb", "macroarch/experiments/mvas_llama.py", *_MVAS_DGR,
-           "macroarch/measure/memory/", "macroarch/models/"),
-    "C2": ("notebooks/01_gradient_explosion.ipynb", "macroarch/experiments/gradient_explosion.py",
-           "macroarch/measure/gradients.py", "macroarch/models/"),
-    "C3": ("notebooks/01_gradient_explosion.ipynb", "macroarch/experiments/gradient_explosion.py",
-           "macroarch/measure/clipping.py", "macroarch/models/", "macroarch/data/"),
+    "C1": ("notebooks/05_mvas_llama.ipynb", "macroarch/experiments/mvas_llama.py", *_MVAS_DGR, *_PLANNER,
+           "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
+    "C2": ("notebooks/01_gradient_explosion.ipynb", "macroarch/experiments/gradient_explosion.py", *_GRADIENTS),
+    "C3": ("notebooks/01_gradient_explosion.ipynb", "macroarch/experiments/gradient_explosion.py", *_GRADIENTS),
     "C4": ("notebooks/02_memory_wall.ipynb", "macroarch/experiments/memory_wall.py", "macroarch/measure/memory/",
-           "macroarch/models/"),
+           *_PLANNER, "macroarch/models/"),
     "C5": ("notebooks/03_zero3_communication.ipynb", "macroarch/experiments/zero3_communication.py",
            "macroarch/measure/calibrate.py", "macroarch/measure/comm_bench.py", "macroarch/measure/fsdp_bytes.py",
-           "macroarch/mvas/", "macroarch/comm/", "macroarch/models/"),
+           "macroarch/measure/zero3.py", "macroarch/measure/memory/", "macroarch/mvas/", "macroarch/comm/",
+           "macroarch/models/"),
     "C6": ("notebooks/04_dgr_variance.ipynb", "macroarch/experiments/dgr_variance.py", "macroarch/dgr/",
-           "macroarch/measure/gradients.py", "macroarch/models/", "macroarch/data/"),
-    "C7": ("notebooks/05_mvas_llama.ipynb", "macroarch/experiments/mvas_llama.py", *_MVAS_DGR,
+           "macroarch/measure/gradients.py", "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
+    "C7": ("notebooks/05_mvas_llama.ipynb", "macroarch/experiments/mvas_llama.py", *_MVAS_DGR, *_PLANNER,
            "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
     "C8": ("notebooks/06_mixed_precision.ipynb", "macroarch/experiments/mixed_precision.py", "macroarch/optim/",
            "macroarch/models/", "macroarch/data/"),
@@ -48,18 +53,18 @@ CODE_PATHS: dict[str, tuple[str, ...]] = {
     "C10": ("notebooks/08_convergence_recipe.ipynb", "macroarch/experiments/convergence_recipe.py", *_MVAS_DGR,
             "macroarch/models/", "macroarch/data/"),
     "C11": ("notebooks/09_hardware_speedups.ipynb", "macroarch/experiments/hardware_speedups.py",
-            "macroarch/measure/step_time.py", "macroarch/measure/hardware.py", "macroarch/measure/memory/",
+            "macroarch/measure/__init__.py", "macroarch/measure/step_time.py", "macroarch/measure/hardware.py",
+            "macroarch/measure/memory/",
             *_MVAS_DGR, "macroarch/models/"),
     "C12": ("notebooks/10_applications.ipynb", "macroarch/experiments/applications.py", *_MVAS_DGR,
-            "macroarch/measure/fit.py", "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
+            *_PLANNER, "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
     "C13": ("notebooks/10_applications.ipynb", "macroarch/experiments/applications.py", *_MVAS_DGR,
-            "macroarch/measure/fit.py", "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
+            *_PLANNER, "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
     "C14": ("notebooks/10_applications.ipynb", "macroarch/experiments/applications.py", *_MVAS_DGR,
-            "macroarch/measure/fit.py", "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
-    "C15": ("notebooks/11_clip.ipynb", "macroarch/experiments/clip.py", *_MVAS_DGR, "macroarch/measure/memory/",
-            "macroarch/models/", "macroarch/data/"),
-    "R1": ("notebooks/01_gradient_explosion.ipynb", "macroarch/experiments/gradient_explosion.py",
-           "macroarch/models/hyperconnections.py", "macroarch/measure/gradients.py"),
+            *_PLANNER, "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
+    "C15": ("notebooks/11_clip.ipynb", "macroarch/experiments/clip.py", *_MVAS_DGR, *_PLANNER,
+            "macroarch/experiments/mvas_llama.py", "macroarch/measure/memory/", "macroarch/models/", "macroarch/data/"),
+    "R1": ("notebooks/01_gradient_explosion.ipynb", "macroarch/experiments/gradient_explosion.py", *_GRADIENTS),
 }
 CODE_PATHS = {cid: (*paths, *_SHARED) for cid, paths in CODE_PATHS.items()}
 
