@@ -183,6 +183,20 @@ def _transformers_class(config: Any) -> type:
                     f"in transformers {transformers.__version__}; give \"architectures\" in the config")
 
 
+def _loss_type(cls: type) -> str | None:
+    """The loss transformers' ``loss_function`` should use for ``cls``, read from the auto class that maps to it
+    (``GPT2LMHeadModel`` names none, and transformers then warns "`loss_type=None` was set in the config but it is
+    unrecognized" at every forward: ``ModelSpec.build`` sets it likewise)."""
+    import transformers
+
+    for auto, loss in (("AutoModelForCausalLM", "ForCausalLM"), ("AutoModelForMaskedLM", "ForMaskedLM"),
+                       ("AutoModelForImageClassification", "ForImageClassification"),
+                       ("AutoModelForVideoClassification", "ForVideoClassification")):
+        if cls in getattr(transformers, auto)._model_mapping.values():
+            return loss
+    return None
+
+
 def _shape_of(config: Any) -> Any:
     """The project's ``TransformerShape`` for Llama and GPT-2 configs (None for other families)."""
     from macroarch.models.spec import TransformerShape
@@ -252,6 +266,7 @@ def from_transformers_config(name: str, config: Any, kind: str = "transformers",
     vision = "pixel_values" in params and "input_ids" not in params
     video = vision and isinstance(getattr(config, "num_frames", None), int)
     n_layers = getattr(config, "num_hidden_layers", None)
+    loss_type = _loss_type(cls)
     classify = cls.__name__.endswith(("ForSequenceClassification", "ForImageClassification",
                                       "ForVideoClassification"))
 
@@ -265,7 +280,10 @@ def from_transformers_config(name: str, config: Any, kind: str = "transformers",
             c.num_frames = frames
         c._attn_implementation = attention
         with _table_shapes_only(c):
-            return cls(c)
+            model = cls(c)
+        if getattr(model, "loss_type", "") is None:
+            model.loss_type = loss_type
+        return model
 
     def make_batch(b: int, s: int, frames: int | None) -> Batch:
         if vision:

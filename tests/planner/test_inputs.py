@@ -208,3 +208,18 @@ def test_fake_module_keeps_buffers_and_their_persistence():
     assert set(model.state_dict()) == keys and "scratch" not in keys
     assert isinstance(model.scratch, FakeTensor) and model.scratch.shape == (5,)
     assert isinstance(model.lin.weight, nn.Parameter) and isinstance(model.lin.weight, FakeTensor)
+
+
+def test_a_gpt2_step_names_its_loss_so_transformers_does_not_warn(capfd):
+    """GPT-2's class names no loss type; built from its config, transformers printed "`loss_type=None` was set in the
+    config but it is unrecognized" on the first forward (a pink stderr box in notebook 02 under JupyterLab)."""
+    import transformers
+
+    from macroarch.planner.models import from_transformers_config
+
+    transformers.logging.set_verbosity_warning()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = from_transformers_config("gpt2_tiny", config)
+    assert model.build(seq=8).loss_type == "ForCausalLM"
+    plan(model, 1, 8, combinations=["plain"])
+    assert "loss_type" not in capfd.readouterr().err
