@@ -6,6 +6,7 @@
   of a 64-token alphabet (the loss falls within a few steps), for the training-harness tests.
 - :func:`tiny_llama` (optionally MVAS-managed by :data:`MVAS_RULES`) and :func:`even_ids`: the integration tests'
   2-layer Llama and its token batches.
+- :func:`in_bf16`: a model built with bf16 as torch's default dtype (the planner tests' real-tensor arbiters).
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ GPT_SIZES = dict(n_layers=2, d_model=32, n_heads=2, n_kv_heads=2, d_ff=64, dropo
 
 MVAS_RULES = [("*mlp*", "fp4"), ("*", "fp8")]
 """The integration tests' MVAS plan: feed-forward weights in fp4, the rest in fp8."""
+
+
+def in_bf16(make):
+    """``make()`` in training mode, built while torch's default dtype is bf16 (restored after, also on error)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return make().train()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def tiny_gpt(dtype=torch.float32, **sizes):

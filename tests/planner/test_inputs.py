@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from model_zoo import in_bf16
 from torch import nn
 
 from macroarch.measure.fit import fake_module, measure_training
@@ -20,20 +21,11 @@ NAMES = {"parameters": "weights", "gradients": "gradients", "master_weights": "m
          "optimizer_state": "optimizer", "activations": "activations"}
 
 
-def _bf16(make):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        return make().train()
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def _real_plain(make_model, batch):
     """One real bf16 step with fp32 master weights and moments (the default recipe) of ``make_model()``."""
     def build():
         torch.manual_seed(0)
-        model = _bf16(make_model)
+        model = in_bf16(make_model)
         return model, model, MasterWeightAdamW(model.parameters()), batch
 
     return measure_training(build, lambda runner, b: runner(**b).loss, fake=False)

@@ -19,6 +19,7 @@ import json
 
 import pytest
 import torch
+from model_zoo import in_bf16
 from torch import nn
 
 from macroarch.measure.fit import measure_training
@@ -69,12 +70,7 @@ def _real(batch: int, layers: int = LAYERS):
     """One real bf16 step with fp32 master weights and moments (the default recipe) of the stack."""
     def build():
         torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = _Stack(layers).train()
-        finally:
-            torch.set_default_dtype(previous)
+        model = in_bf16(lambda: _Stack(layers))
         data = {"x": torch.randn(batch, 16, dtype=torch.bfloat16), "labels": torch.randint(0, VOCAB, (batch,))}
         return model, model, MasterWeightAdamW(model.parameters()), data
 
@@ -210,12 +206,7 @@ def test_checkpointing_recomputes_the_modules_a_model_names():
 
     def build():
         torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = PointNet(num_classes=8).train()
-        finally:
-            torch.set_default_dtype(previous)
+        model = in_bf16(lambda: PointNet(num_classes=8))
         for m in [*model.layers, model.input_transform, model.feature_transform]:
             forward = m.forward
             m.forward = lambda *a, _f=forward, **k: torch.utils.checkpoint.checkpoint(_f, *a, use_reentrant=False, **k)
@@ -267,13 +258,8 @@ def test_video_classification_configs_and_a_model_without_sdpa(tmp_path):
 
     def build():
         torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            cfg = TimesformerConfig(**{k: v for k, v in config.items() if k != "model_type"})
-            model = TimesformerForVideoClassification(cfg).train()
-        finally:
-            torch.set_default_dtype(previous)
+        cfg = TimesformerConfig(**{k: v for k, v in config.items() if k != "model_type"})
+        model = in_bf16(lambda: TimesformerForVideoClassification(cfg))
         data = {"pixel_values": torch.randn(2, 4, 3, 32, 32, dtype=torch.bfloat16),
                 "labels": torch.randint(0, 5, (2,))}
         return model, model, MasterWeightAdamW(model.parameters()), data

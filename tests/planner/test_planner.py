@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from model_zoo import in_bf16
 from torch import nn
 
 from macroarch import compose
@@ -56,12 +57,7 @@ def _real(techniques: frozenset[str]):
         cfg = LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")},
                           use_cache=False)
         cfg._attn_implementation = "sdpa"
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = LlamaForCausalLM(cfg).train()
-        finally:
-            torch.set_default_dtype(previous)
+        model = in_bf16(lambda: LlamaForCausalLM(cfg))
         ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
         batch = {"input_ids": ids, "labels": ids}
         if "checkpoint" in techniques:

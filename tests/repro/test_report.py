@@ -470,7 +470,7 @@ def test_a_tall_figure_and_its_caption_stay_above_the_page_number(tmp_path):
     import pypdfium2 as pdfium
 
     from macroarch.repro.report.document import Document, Figure, Para, Section
-    from macroarch.repro.report.typst import figure_layout, figure_size
+    from macroarch.repro.report.typst import figure_layout
 
     fig, ax = plt.subplots(figsize=(7.8, 11.1))  # C6's shape (C9's and C14's are taller)
     ax.plot([0, 1], [0, 1])
@@ -482,8 +482,8 @@ def test_a_tall_figure_and_its_caption_stay_above_the_page_number(tmp_path):
     fig.savefig(tmp_path / "figures" / "wide.png", dpi=60)
     plt.close(fig)
     caption = "C6, variance: " + "Figure text, long as C6's. " * 30 + "END"
-    assert figure_size(tmp_path / "figures" / "wide.png", caption) == "width: 100%"
-    assert figure_size(tmp_path / "nothing.png", caption) == "width: 100%"  # unreadable: as before
+    assert figure_layout(tmp_path / "figures" / "wide.png", caption)[0] == "width: 100%"
+    assert figure_layout(tmp_path / "nothing.png", caption)[0] == "width: 100%"  # unreadable: as before
     # the long description follows as a paragraph (it can break across pages): the image keeps most of its width
     size, short, after = figure_layout(tmp_path / "figures" / "tall.png", caption)
     assert (short, after) == ("C6, variance", caption.removeprefix("C6, variance: "))

@@ -81,11 +81,6 @@ def figure_layout(path: Path | None, caption: str) -> tuple[str, str, str]:
     return ("width: 100%" if height <= room else f"height: {room:.0f}mm"), short, after
 
 
-def figure_size(path: Path | None, caption: str) -> str:
-    """The image's Typst size (:func:`figure_layout`)."""
-    return figure_layout(path, caption)[0]
-
-
 def _s(text: str) -> str:
     """A Typst string literal."""
     return json.dumps(str(text), ensure_ascii=False)
